@@ -1,0 +1,102 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) in Flax NNX over a paged KV cache.
+
+Layers are stacked on axis 0 and run under `lax.scan`, so compile time does not grow with depth.
+The forward pass takes a flattened ragged batch (`input_ids[T]` with explicit positions) and
+reads/writes the paged cache through an attention backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.rotary import apply_rotary, inverse_frequencies
+from jaxserve.models.llama_config import LlamaConfig, check_params
+
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
+                "bq", "bk", "bv", "q_norm", "k_norm")
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+class Llama(nnx.Module):
+    """Holds the weights as `nnx.Param`s; `__call__` is a pure function of them."""
+
+    def __init__(self, cfg: LlamaConfig, params: dict[str, np.ndarray], dtype: Any = jnp.float32):
+        check_params(cfg, params, "model weights")
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.embed = nnx.Param(jnp.asarray(params["embed"], self.dtype))
+        self.final_norm = nnx.Param(jnp.asarray(params["final_norm"], self.dtype))
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nnx.Param(jnp.asarray(params["lm_head"], self.dtype)))
+        self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name], self.dtype))
+                                for name in LAYER_PARAMS if name in params})
+        self.inv_freq = nnx.Variable(jnp.asarray(
+            inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)))
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # i32[T]
+        md: AttentionMetadata,
+        k_cache: jax.Array,  # [L, Hkv, NB, BS, Dh]
+        v_cache: jax.Array,  # [L, Hkv, NB, BS, Dh]
+        backend: AttentionBackend,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # hidden [T, D], k_cache, v_cache
+        cfg = self.cfg
+        x = self.embed[...][input_ids]
+        weights = {name: p[...] for name, p in self.layers.items()}
+        inv_freq = self.inv_freq[...]
+
+        def layer_step(carry, layer_in):
+            x, k_cache, v_cache = carry
+            w, layer = layer_in
+            h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+            if cfg.attention_bias:
+                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            T = x.shape[0]
+            q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+            q = apply_rotary(q, md.positions, inv_freq)
+            k = apply_rotary(k, md.positions, inv_freq)
+            k_cache, v_cache = backend.write(k_cache, v_cache, layer, k, v, md)
+            o = backend.attend(q, k_cache, v_cache, layer, md, sm_scale=cfg.head_dim ** -0.5,
+                               sliding_window=cfg.sliding_window)
+            x = x + o.reshape(T, -1) @ w["wo"]
+            h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+            x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+            return (x, k_cache, v_cache), None
+
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, (x, k_cache, v_cache),
+                                                (weights, layers))
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), k_cache, v_cache
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> f32[N, V]
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return (hidden @ head).astype(jnp.float32)
+
+
+def init_kv_cache(cfg: LlamaConfig, num_blocks: int, block_size: int,
+                  dtype: Any = jnp.float32) -> tuple[jax.Array, jax.Array]:
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def kv_cache_bytes_per_block(cfg: LlamaConfig, block_size: int, dtype: Any) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(
+        dtype).itemsize

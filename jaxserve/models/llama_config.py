@@ -1,0 +1,154 @@
+"""Architecture switches of the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3).
+
+One dataclass covers the family; loaders fill it from an HF `config.json`, a GGUF header or a
+llama2.c header. Parameter names and shapes of the canonical weight dict are in `PARAM_SHAPES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# HF `architectures` entries we implement, mapped to the switches they imply.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"attention_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # None, or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; stored as a sorted tuple of items to stay hashable.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = field(default=(2,))
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "LlamaConfig":
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; jaxserve supports "
+                             f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        implied = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")  # transformers 5 moves theta/scaling here
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        if rope_scaling is not None:
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if rope_type in (None, "default"):
+                rope_scaling = None
+            elif rope_type != "llama3":
+                raise ValueError(f"unsupported rope_scaling type {rope_type!r}; jaxserve supports "
+                                 "'llama3'")
+            else:
+                keys = ("factor", "low_freq_factor", "high_freq_factor",
+                        "original_max_position_embeddings")
+                rope_scaling = {"rope_type": "llama3", **{k: rope_scaling[k] for k in keys}}
+        eos = cfg.get("eos_token_id", 2)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", implied.get("attention_bias", False)),
+            qk_norm=implied.get("qk_norm", False),
+            sliding_window=sliding if arch == "MistralForCausalLM" else None,
+            bos_token_id=cfg.get("bos_token_id", 1),
+            eos_token_ids=eos_ids,
+            architecture=arch,
+        )
+
+    def replace(self, **changes: Any) -> "LlamaConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The canonical weight dict every loader produces: layers stacked on axis 0, `x @ w` layout,
+    q/k rows in HF's half-split RoPE order."""
+    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        "embed": (V, D),
+        "attn_norm": (L, D),
+        "wq": (L, D, q),
+        "wk": (L, D, kv),
+        "wv": (L, D, kv),
+        "wo": (L, q, D),
+        "mlp_norm": (L, D),
+        "w_gate": (L, D, F),
+        "w_up": (L, D, F),
+        "w_down": (L, F, D),
+        "final_norm": (D,),
+    }
+    if cfg.attention_bias:
+        shapes |= {"bq": (L, q), "bk": (L, kv), "bv": (L, kv)}
+    if cfg.qk_norm:
+        shapes |= {"q_norm": (L, cfg.head_dim), "k_norm": (L, cfg.head_dim)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def check_params(cfg: LlamaConfig, params: dict[str, Any], source: str) -> None:
+    """Raise a ValueError naming the first missing, unexpected or mis-shaped tensor."""
+    expected = param_shapes(cfg)
+    missing = sorted(set(expected) - set(params))
+    if missing:
+        raise ValueError(f"{source}: missing weights {missing}")
+    extra = sorted(set(params) - set(expected))
+    if extra:
+        raise ValueError(f"{source}: unexpected weights {extra}")
+    for name, shape in expected.items():
+        got = tuple(params[name].shape)
+        if got != shape:
+            raise ValueError(f"{source}: weight {name!r} has shape {got}, expected {shape}")
