@@ -1,0 +1,148 @@
+"""Engine configuration: flat vLLM-style engine arguments in, validated nested configs out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    model: str = "dummy"
+    tokenizer: str | None = None
+    load_format: str = "auto"  # auto | hf | gguf | llama2c | orbax | dummy
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 elsewhere) | float32 | bfloat16
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0
+    max_logprobs: int = 20
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size (block 0 included); else from memory
+    gpu_memory_utilization: float = 0.9  # share of accelerator memory for weights + KV
+    cpu_kv_cache_space_gib: float = 0.5  # KV budget on CPU, where no memory stats exist
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_seed: int | None = None  # default: the engine seed
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+
+
+@dataclass
+class RunnerConfig:
+    attention_backend: str = "auto"
+    token_buckets: list[int] | None = None  # default: powers of two up to max_num_batched_tokens
+    request_buckets: list[int] | None = None  # default: powers of two up to max_num_seqs
+    precompile: bool = False
+    strict_compile: bool = False  # raise on a compilation after warm-up
+    compilation_cache_dir: str | None = None  # JAX persistent cache; "" disables
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size_local: int = 1
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat engine arguments (`max_num_seqs=8`, ...); unknown names are errors."""
+        config = cls()
+        for name, value in kwargs.items():
+            section = _SECTION_OF.get(name)
+            if section is None:
+                raise ValueError(f"unknown engine argument {name!r}")
+            setattr(getattr(config, section), name, value)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "EngineConfig":
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: engine config must be a mapping")
+        return cls.from_kwargs(**data)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        return {f.name: getattr(getattr(self, s), f.name) for s in _SECTIONS
+                for f in fields(getattr(self, s))}
+
+    def replace(self, **kwargs: Any) -> "EngineConfig":
+        return EngineConfig.from_kwargs(**(self.to_kwargs() | kwargs))
+
+    def validate(self) -> None:
+        m, c, s, r, p = self.model, self.cache, self.scheduler, self.runner, self.parallel
+        _positive(c, "block_size")
+        _positive(s, "max_num_seqs")
+        _positive(s, "max_num_batched_tokens")
+        _positive(p, "tensor_parallel_size")
+        _positive(p, "data_parallel_size_local")
+        if c.block_size & (c.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {c.block_size}")
+        if c.num_kv_blocks is not None and (not isinstance(c.num_kv_blocks, int)
+                                            or c.num_kv_blocks < 2):
+            raise ValueError(f"num_kv_blocks must be an integer >= 2, got {c.num_kv_blocks!r}")
+        if not 0.0 < c.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{c.gpu_memory_utilization}")
+        if not isinstance(s.long_prefill_token_threshold, int) or s.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be an integer >= 0, got "
+                             f"{s.long_prefill_token_threshold!r}")
+        if s.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got "
+                             f"{s.scheduling_policy!r}")
+        if m.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {m.dtype!r}")
+        if m.load_format not in ("auto", "hf", "gguf", "llama2c", "orbax", "dummy"):
+            raise ValueError(f"load_format {m.load_format!r} is not supported")
+        if m.max_model_len is not None:
+            _positive(m, "max_model_len")
+        for name in ("token_buckets", "request_buckets"):
+            buckets = getattr(r, name)
+            if buckets is not None and (not buckets or any(
+                    not isinstance(b, int) or b <= 0 for b in buckets)):
+                raise ValueError(f"{name} must be a non-empty list of positive integers, "
+                                 f"got {buckets!r}")
+
+
+_SECTIONS = ("model", "cache", "scheduler", "runner", "parallel")
+_SECTION_OF = {f.name: section for section, cls in zip(_SECTIONS, (
+    ModelConfig, CacheConfig, SchedulerConfig, RunnerConfig, ParallelConfig)) for f in fields(cls)}
+ENGINE_ARGS = tuple(_SECTION_OF)
+
+
+def _positive(section: Any, name: str) -> None:
+    value = getattr(section, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
+    buckets, b = [], smallest
+    while b < largest:
+        buckets.append(b)
+        b *= 2
+    return buckets + [largest]
+
+
+__all__ = ["EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig", "RunnerConfig",
+           "ParallelConfig", "ENGINE_ARGS", "power_of_two_buckets"]

@@ -1,0 +1,66 @@
+"""What crosses the scheduler <-> worker boundary each step: diffs, not full state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the worker has not seen, or one resumed after preemption (sent in full again)."""
+    req_id: str
+    token_ids: list[int]  # prompt, plus outputs generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: Any
+    seed: int
+    num_output_tokens: int  # outputs already in token_ids (penalties and seeded steps count them)
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit: KV already in these blocks
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Known requests scheduled again: only what changed."""
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished or aborted since the last step: the worker drops them
+    preempted_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Log-probabilities of one sampled position: the sampled token and the top-n."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]  # in the order of sampled_token_ids
+    sampled_token_ids: list[int]
+    logprobs: list[Logprobs | None] | None = None
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,82 @@
+"""Input processing: tokenise, validate, and make the engine's `Request`s (n > 1 fans out)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+import numpy as np
+
+from jaxserve.models.tokenizer import Tokenizer
+from jaxserve.request import Request
+from jaxserve.sampling_params import SamplingParams, request_seed
+
+PromptType = Union[str, dict[str, Any], list[int]]
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
+                 block_size: int, root_hash: bytes, seed: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.root_hash = root_hash
+        self.rng = np.random.default_rng(seed)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a str, a token id list or a dict, got {type(prompt)}")
+
+    def validate_token_ids(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                   for t in token_ids):
+            raise ValueError("prompt_token_ids must be integers")
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt length {len(token_ids)} must be less than max_model_len "
+                             f"({self.max_model_len})")
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
+                arrival_time: float | None = None, priority: int = 0,
+                cache_salt: str | None = None) -> tuple[str | None, list[Request]]:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        text, token_ids = self.tokenize(prompt)
+        self.validate_token_ids(token_ids)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        requests = [
+            Request(request_id=child_request_id(request_id, i, params.n),
+                    prompt_token_ids=token_ids, sampling_params=params,
+                    arrival_time=arrival_time, block_size=self.block_size,
+                    hash_seed=self.root_hash, priority=priority, cache_salt=cache_salt,
+                    max_tokens=max_tokens, seed=request_seed(params, self.rng, i),
+                    group_id=request_id if params.n > 1 else None)
+            for i in range(params.n)]
+        return text, requests

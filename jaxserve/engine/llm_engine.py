@@ -1,0 +1,61 @@
+"""LLMEngine: the step-by-step API (add_request, step, abort_request) over EngineCore."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.core import EngineCore, EngineStats
+from jaxserve.engine.input_processor import InputProcessor, PromptType
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.models.loader import LoadedModel
+from jaxserve.outputs import RequestOutput
+from jaxserve.request import RequestStatus
+from jaxserve.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        self.core = EngineCore(config, loaded)
+        worker = self.core.executor.worker
+        self.tokenizer = worker.loaded.tokenizer
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.core.model_config.vocab_size, self.core.max_model_len,
+            config.cache.block_size, self.core.scheduler.kv.root_hash, config.model.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, **kwargs: Any) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        if request_id in self.output_processor.states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, requests = self.input_processor.process(request_id, prompt, params, arrival_time,
+                                                      priority, cache_salt)
+        first = requests[0]
+        self.output_processor.add_request(request_id, text, first.prompt_token_ids,
+                                          first.sampling_params, first.arrival_time,
+                                          [r.request_id for r in requests])
+        for request in requests:
+            self.core.add_request(request)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        children = [c for r in ids for c in self.output_processor.abort(r)]
+        self.core.abort_requests(children)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self, delta: bool = False) -> list[RequestOutput]:
+        outputs, stopped = self.output_processor.process_outputs(self.core.step(), delta)
+        if stopped:
+            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()

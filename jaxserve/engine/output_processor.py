@@ -1,0 +1,154 @@
+"""Output processing: detokenise incrementally, apply stop strings, build `RequestOutput`s."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from jaxserve.core.scheduler_output import EngineCoreOutput
+from jaxserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass
+class _Sample:
+    completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None
+    sent_tokens: int = 0  # for delta outputs: what the consumer has already received
+    sent_text: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    samples: list[_Sample]
+    num_cached_tokens: int = 0
+    child_index: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.completion.finished for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.parent_of: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float, child_ids: list[str]) -> None:
+        if request_id in self.states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        samples = [_Sample(CompletionOutput(i, "", [], 0.0 if params.logprobs is not None else None,
+                                            [] if params.logprobs is not None else None),
+                           self._detokenizer(prompt_token_ids, params))
+                   for i in range(len(child_ids))]
+        self.states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time), samples,
+            child_index={c: i for i, c in enumerate(child_ids)})
+        self.parent_of.update((c, request_id) for c in child_ids)
+
+    def _detokenizer(self, prompt_token_ids: list[int],
+                     params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                      skip_special_tokens=params.skip_special_tokens)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.states.get(request_id)
+        return [] if state is None else list(state.child_index)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput], delta: bool = False,
+                        ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated requests' outputs and the child ids that a stop string ended
+        (the caller must stop them in the scheduler)."""
+        now = time.time()
+        touched: dict[str, RequestState] = {}
+        stopped: list[str] = []
+        for out in outputs:
+            parent = self.parent_of.get(out.request_id)
+            if parent is None:
+                continue
+            state = self.states[parent]
+            sample = state.samples[state.child_index[out.request_id]]
+            comp = sample.completion
+            if comp.finished:
+                continue
+            state.num_cached_tokens = out.num_cached_tokens
+            metrics = state.metrics
+            for _ in out.new_token_ids:
+                metrics.token_times.append(now)
+            if out.new_token_ids and metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            comp.token_ids.extend(out.new_token_ids)
+            if comp.logprobs is not None:
+                comp.logprobs.extend(out.new_logprobs)
+                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + sum(
+                    lp.logprob for lp in out.new_logprobs)
+            if sample.detokenizer is not None:
+                before = len(comp.text)
+                comp.text += sample.detokenizer.push(out.new_token_ids)
+                if out.finish_reason is not None:
+                    comp.text += sample.detokenizer.flush()
+                if self._apply_stop_strings(comp, state.params, before):
+                    stopped.append(out.request_id)
+            if out.finish_reason is not None and not comp.finished:
+                comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+            touched[parent] = state
+        results = []
+        for parent, state in touched.items():
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.states[parent]
+                for child in state.child_index:
+                    self.parent_of.pop(child, None)
+            results.append(self._make_output(state, delta))
+        return results, stopped
+
+    @staticmethod
+    def _apply_stop_strings(comp: CompletionOutput, params: SamplingParams, before: int) -> bool:
+        for stop in params.stop:
+            idx = comp.text.find(stop, max(0, before - len(stop) + 1))
+            if idx >= 0:
+                comp.text = comp.text[:idx + len(stop) if params.include_stop_str_in_output
+                                      else idx]
+                comp.finish_reason, comp.stop_reason = "stop", stop
+                return True
+        return False
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; returns its child ids (to abort in the scheduler)."""
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return []
+        for child in state.child_index:
+            self.parent_of.pop(child, None)
+        return list(state.child_index)
+
+    def _make_output(self, state: RequestState, delta: bool) -> RequestOutput:
+        completions = []
+        holdback = max((len(stop) for stop in state.params.stop), default=1) - 1
+        for sample in state.samples:
+            comp = sample.completion
+            if delta:
+                # Hold back a possible stop-string prefix: it may still be cut from the text.
+                text_end = len(comp.text) if comp.finished else max(
+                    sample.sent_text, len(comp.text) - holdback)
+                d = CompletionOutput(comp.index, comp.text[sample.sent_text:text_end],
+                                     comp.token_ids[sample.sent_tokens:], comp.cumulative_logprob,
+                                     None if comp.logprobs is None
+                                     else comp.logprobs[sample.sent_tokens:],
+                                     comp.finish_reason, comp.stop_reason)
+                sample.sent_text, sample.sent_tokens = text_end, len(comp.token_ids)
+                comp = d
+            completions.append(comp)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             state.finished, state.metrics, state.num_cached_tokens)

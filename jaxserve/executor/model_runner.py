@@ -1,0 +1,140 @@
+"""ModelRunner: turns a SchedulerOutput into one jitted device step and returns sampled ids.
+
+The step `(params, kv_caches, batch) -> (kv_caches, sampled, logprobs)` is ONE jitted pure
+function with the KV cache donated. Shapes come only from the bucket lists, so after warm-up
+nothing compiles; the runner counts compilations and, in strict mode, raises on a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import EngineConfig, power_of_two_buckets
+from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from jaxserve.executor.input_batch import InputBatch, StepArrays
+from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.sampler import SamplerOutput, SamplingMetadata, make_sampling_metadata, sample
+from jaxserve.models.llama import Llama
+
+logger = logging.getLogger(__name__)
+
+
+class UnexpectedCompilationError(RuntimeError):
+    pass
+
+
+def _step(graphdef: nnx.GraphDef, backend: AttentionBackend, state: nnx.State,
+          k_cache: jax.Array, v_cache: jax.Array, input_ids: jax.Array, md: AttentionMetadata,
+          logits_indices: jax.Array, sampling: SamplingMetadata,
+          ) -> tuple[jax.Array, jax.Array, SamplerOutput]:
+    model = nnx.merge(graphdef, state)
+    hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, backend)
+    logits = model.compute_logits(hidden[logits_indices])
+    return k_cache, v_cache, sample(logits, sampling)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: Llama, k_cache: jax.Array, v_cache: jax.Array,
+                 backend: AttentionBackend, max_model_len: int, eos_token_ids: tuple[int, ...]):
+        self.config = config
+        self.model = model
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.eos_token_ids = eos_token_ids
+        block_size = config.cache.block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.batch = InputBatch(block_size, self.max_blocks_per_seq)
+        sched = config.scheduler
+        self.token_buckets = sorted(config.runner.token_buckets or power_of_two_buckets(
+            min(16, sched.max_num_batched_tokens), sched.max_num_batched_tokens))
+        self.request_buckets = sorted(config.runner.request_buckets or power_of_two_buckets(
+            min(8, sched.max_num_seqs), sched.max_num_seqs))
+        if self.token_buckets[-1] < sched.max_num_batched_tokens:
+            raise ValueError(f"token_buckets must reach max_num_batched_tokens "
+                             f"({sched.max_num_batched_tokens}), got {self.token_buckets}")
+        if self.request_buckets[-1] < sched.max_num_seqs:
+            raise ValueError(f"request_buckets must reach max_num_seqs ({sched.max_num_seqs}), "
+                             f"got {self.request_buckets}")
+        graphdef, self.params = nnx.split(model)
+        self._step = jax.jit(functools.partial(_step, graphdef, backend), donate_argnums=(1, 2))
+        self.compiled_shapes: set[tuple[Any, ...]] = set()
+        self.num_compilations = 0
+        self.warmed_up = False
+        self.num_steps = 0
+
+    # ---- one step ------------------------------------------------------------------------
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.batch.update(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput([], [])
+        arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets)
+        sampling = make_sampling_metadata(
+            self.batch.rows(arrays.req_ids), len(arrays.seq_lens),
+            eos_token_ids=self.eos_token_ids, num_logprobs=None)
+        out = self._run(arrays, sampling)
+        num_reqs = len(arrays.req_ids)
+        sampled = np.asarray(out.sampled)[:num_reqs]  # the one device -> host wait of the step
+        self.batch.append_sampled(arrays, sampled)
+        self.num_steps += 1
+        return ModelRunnerOutput(arrays.req_ids, sampled.tolist(),
+                                 self._logprobs(out, num_reqs) if sampling.num_logprobs else None)
+
+    def _run(self, arrays: StepArrays, sampling: SamplingMetadata) -> SamplerOutput:
+        key = (len(arrays.input_ids), len(arrays.seq_lens), sampling.output_token_ids.shape[1],
+               sampling.prompt_token_ids.shape[1], sampling.blocked_token_ids.shape[1],
+               sampling.all_greedy, sampling.num_logprobs)
+        if key not in self.compiled_shapes:
+            if self.warmed_up and self.config.runner.strict_compile:
+                raise UnexpectedCompilationError(f"step shape {key} was not compiled at warm-up")
+            self.compiled_shapes.add(key)
+            self.num_compilations += 1
+        md = AttentionMetadata(positions=arrays.positions, slot_mapping=arrays.slot_mapping,
+                               query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
+                               block_tables=arrays.block_tables)
+        self.k_cache, self.v_cache, out = self._step(
+            self.params, self.k_cache, self.v_cache, arrays.input_ids, md,
+            arrays.logits_indices, sampling)
+        return out
+
+    @staticmethod
+    def _logprobs(out: SamplerOutput, n: int) -> list[Logprobs | None]:
+        sampled, lp = np.asarray(out.sampled)[:n], np.asarray(out.logprob)[:n]
+        ids, lps = np.asarray(out.topk_ids)[:n], np.asarray(out.topk_logprobs)[:n]
+        return [Logprobs(int(sampled[i]), float(lp[i]), list(zip(ids[i].tolist(),
+                                                                 lps[i].tolist())))
+                for i in range(n)]
+
+    # ---- warm-up -------------------------------------------------------------------------
+    def warm_up(self) -> float:
+        """Compile every (token bucket, request bucket) shape for greedy and sampled steps."""
+        start = time.perf_counter()
+        for T in self.token_buckets:
+            for R in sorted({min(r, T) for r in self.request_buckets}):
+                for greedy in (True, False):
+                    arrays = StepArrays(
+                        req_ids=[], input_ids=np.zeros(T, np.int32),
+                        positions=np.zeros(T, np.int32), slot_mapping=np.zeros(T, np.int32),
+                        query_start_loc=np.zeros(R + 1, np.int32), seq_lens=np.zeros(R, np.int32),
+                        block_tables=np.zeros((R, self.max_blocks_per_seq), np.int32),
+                        logits_indices=np.zeros(R, np.int32),
+                        completes_sequence=np.zeros(0, bool))
+                    sampling = make_sampling_metadata([], R, eos_token_ids=self.eos_token_ids)
+                    if not greedy:
+                        sampling = dataclasses.replace(sampling, all_greedy=False)
+                    jax.block_until_ready(self._run(arrays, sampling))
+        self.warmed_up = True
+        return time.perf_counter() - start
+
+
+def dtype_of(name: str) -> Any:
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.dtype(name)
