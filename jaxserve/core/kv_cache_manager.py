@@ -1,0 +1,168 @@
+"""Per-request KV block bookkeeping over a BlockPool, with prefix caching and hit-rate stats.
+
+When a block becomes hittable: only `cache_blocks`, which the scheduler calls AFTER the step that
+wrote the block's KV has finished, registers a block's hash. A request admitted in the same step
+as the one computing a prefix therefore misses it and computes its own copy, so a cache hit can
+never read KV that is not written yet, whatever order the kernel writes and reads KV in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxserve.core.block_hash import BlockHash, make_root_hash
+from jaxserve.core.block_pool import BlockPool, KVCacheBlock
+from jaxserve.request import Request
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    requests: int = 0  # lookups counted (first scheduling; resumes after preemption excluded)
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def record(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 hash_seed: int | str | None = None) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.root_hash: BlockHash = make_root_hash(hash_seed)
+        self.block_pool = BlockPool(num_blocks)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Leading blocks of each request already passed through cache_blocks (or hit).
+        self.num_cached_blocks: dict[str, int] = {}
+        self.total_stats = PrefixCacheStats()
+        self._interval_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request's full blocks; takes no references."""
+        if not self.enable_caching:
+            return [], 0
+        self._check_request(request)
+        # At least one token must be computed so the step produces logits for this request.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break  # the chain makes every later block a miss too
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        if request.num_preemptions == 0:
+            self.total_stats.record(request.num_tokens, num_hit_tokens)
+            self._interval_stats.record(request.num_tokens, num_hit_tokens)
+        return hits, num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[int] | None:
+        """Grow the request's blocks to fit its computed tokens, the hit blocks and
+        `num_new_tokens` more. Returns the ids appended (hits first), or None with nothing
+        changed when the pool is short of blocks."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        hits = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if hits:
+            self._check_hits(request, blocks, hits)
+        num_tokens = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        num_required = -(-num_tokens // self.block_size)
+        num_new = max(0, num_required - len(blocks) - len(hits))
+        # Touching a hit block that sits in the free queue takes it out of the pool too.
+        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
+        if num_new + num_free_hits > self.block_pool.get_num_free_blocks():
+            return None
+        self.block_pool.touch(hits)
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        if request.request_id not in self.req_to_blocks:
+            self.req_to_blocks[request.request_id] = blocks
+        blocks.extend(hits)
+        blocks.extend(new_blocks)
+        if hits:
+            self.num_cached_blocks[request.request_id] = len(hits)
+        return [block.block_id for block in hits] + [block.block_id for block in new_blocks]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Make the request's full blocks within its first `num_computed_tokens` tokens hittable.
+
+        THE rule that keeps hits safe: call this only after the step that wrote those tokens' KV
+        has finished, never at schedule time (see the module docstring).
+        """
+        if not self.enable_caching:
+            return
+        self._check_request(request)
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        for i in range(start, end):
+            block = blocks[i]
+            if block.block_hash is None:
+                # False when an identical block computed in the same step was cached first:
+                # this copy then stays unhashed and is reused first once freed.
+                self.block_pool.cache_block(block, request.block_hashes[i])
+        if end > start:
+            self.num_cached_blocks[request.request_id] = end
+
+    def free(self, request: Request) -> None:
+        self.num_cached_blocks.pop(request.request_id, None)
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        # Tail of the chain first: among blocks freed together, the ones ending this prompt are
+        # evicted before the shared prefix that other prompts are likely to start with.
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    def take_stats(self) -> PrefixCacheStats:
+        """Stats since the previous call (the running totals stay in `total_stats`)."""
+        stats, self._interval_stats = self._interval_stats, PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def _check_request(self, request: Request) -> None:
+        if request.block_size != self.block_size:
+            raise ValueError(f"request {request.request_id} block_size {request.block_size} "
+                             f"!= cache block_size {self.block_size}")
+        if request.hash_seed != self.root_hash:
+            raise ValueError(f"request {request.request_id} hash_seed is not this cache's "
+                             "root_hash; build requests with hash_seed=manager.root_hash")
+
+    def _check_hits(self, request: Request, blocks: list[KVCacheBlock],
+                    hits: list[KVCacheBlock]) -> None:
+        # Hits must come straight from get_computed_blocks for a request holding no blocks; an
+        # allocation in between could have evicted (and re-handed out) one of them.
+        if blocks or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id} already holds blocks or computed "
+                             "tokens; new_computed_blocks are only for its first allocation")
+        for i, block in enumerate(hits):
+            if i >= len(request.block_hashes) or block.block_hash != request.block_hashes[i]:
+                raise ValueError(f"new_computed_blocks[{i}] (block {block.block_id}) no longer "
+                                 f"caches block {i} of request {request.request_id}")

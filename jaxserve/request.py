@@ -1,0 +1,126 @@
+"""The engine's view of one request: tokens, progress, status and block hashes (no jax)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxserve.core.block_hash import HASH_NBYTES, BlockHash, extend_block_hashes
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Every status after PREEMPTED is a finished one.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        """OpenAI-style finish reason: "stop", "length", "abort", or None while unfinished."""
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Construct with keyword arguments:
+
+    Request(request_id=..., prompt_token_ids=..., sampling_params=..., arrival_time=...,
+            block_size=cache_block_size, hash_seed=kv_cache_manager.root_hash,
+            priority=0, cache_salt=None, lora_name=None, max_tokens=2**31 - 1, seed=0,
+            group_id=None)
+
+    `all_token_ids` and `block_hashes` are derived (not constructor arguments) and kept current
+    by `append_output_token_ids`; `block_hashes` holds the chained hash of every full block.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    arrival_time: float
+    block_size: int
+    hash_seed: BlockHash
+    priority: int = 0
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(init=False)
+    stop_reason: int | str | None = None
+    max_tokens: int = 2**31 - 1  # output tokens allowed, already capped by max_model_len
+    seed: int = 0  # the sampler's per-request seed
+    group_id: str | None = None  # the parent request of n > 1 samples, which share the prompt
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
+        if len(self.prompt_token_ids) == 0:
+            raise ValueError(f"prompt_token_ids must not be empty (request {self.request_id})")
+        if not _is_int(self.block_size) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {self.max_tokens!r}")
+        if not isinstance(self.hash_seed, bytes) or len(self.hash_seed) != HASH_NBYTES:
+            raise ValueError(f"hash_seed must be {HASH_NBYTES} bytes "
+                             f"(KVCacheManager.root_hash), got {self.hash_seed!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a str or None, got {self.cache_salt!r}")
+        if self.lora_name is not None and not isinstance(self.lora_name, str):
+            raise ValueError(f"lora_name must be a str or None, got {self.lora_name!r}")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids = list(self.output_token_ids)
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        self.block_hashes = []
+        self._extend_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        self._extend_block_hashes()
+
+    def _extend_block_hashes(self) -> None:
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,
+                            self.hash_seed, self.cache_salt, self.lora_name)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
