@@ -1,0 +1,280 @@
+"""The on-device sampler: penalties, temperature, min-p/top-k/top-p, seeded sampling, logprobs.
+
+`sample` is pure JAX and runs inside the engine's jitted step: static shapes, no host syncs.
+`make_sampling_metadata` builds its inputs on the host from each row's `SamplingParams`.
+
+Order (vLLM V1's): min_tokens blocking and penalties on the raw logits; greedy rows take the
+argmax of those; sampled rows divide by temperature, keep min-p, then top-k, then top-p (over
+the renormalised survivors), and draw with a Gumbel-max on the row's own key
+`fold_in(key(seed), step)`, so a row's token depends on nothing else in the batch.
+Logprobs are of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.sampling_params import SEED_MODULUS, SamplingParams
+
+HISTORY_MIN_BUCKET = 16  # smallest padded length of token histories (Lo, Lp) when present
+BLOCKED_MIN_BUCKET = 4  # smallest padded width of blocked_token_ids when present
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["temperature", "top_k", "top_p", "min_p", "seeds", "steps",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "output_token_ids", "prompt_token_ids", "blocked_token_ids"],
+    meta_fields=["all_greedy", "num_logprobs"])
+@dataclass(frozen=True)
+class SamplingMetadata:
+    temperature: jax.Array         # f32[R]      0 = greedy row
+    top_k: jax.Array               # i32[R]      0 = off
+    top_p: jax.Array               # f32[R]      1 = off
+    min_p: jax.Array               # f32[R]      0 = off
+    seeds: jax.Array               # u32[R]
+    steps: jax.Array               # i32[R]      tokens sampled so far; the key is (seed, step)
+    presence_penalty: jax.Array    # f32[R]
+    frequency_penalty: jax.Array   # f32[R]
+    repetition_penalty: jax.Array  # f32[R]
+    output_token_ids: jax.Array    # i32[R, Lo]  -1 padded; Lo = 0 when no row has penalties
+    prompt_token_ids: jax.Array    # i32[R, Lp]  -1 padded; Lp = 0 unless repetition penalty used
+    blocked_token_ids: jax.Array   # i32[R, B]   -1 padded; EOS/stop ids before min_tokens
+    all_greedy: bool               # static: argmax only, no filters, no noise
+    num_logprobs: int              # static: top-n logprobs returned for every row (0 = none)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["sampled", "logprob", "topk_ids", "topk_logprobs"],
+                   meta_fields=[])
+@dataclass(frozen=True)
+class SamplerOutput:
+    sampled: jax.Array        # i32[R]
+    logprob: jax.Array        # f32[R]               raw logprob of the sampled token
+    topk_ids: jax.Array       # i32[R, num_logprobs]
+    topk_logprobs: jax.Array  # f32[R, num_logprobs]
+
+
+# ----------------------------------------------------------------------------- device side
+
+def _scatter_index(token_ids: jax.Array, vocab_size: int) -> jax.Array:
+    # -1 padding must not wrap to the last token: send it out of range, where mode="drop" skips it.
+    return jnp.where(token_ids < 0, vocab_size, token_ids)
+
+
+def _block_tokens(logits: jax.Array, blocked_token_ids: jax.Array) -> jax.Array:
+    if blocked_token_ids.shape[1] == 0:
+        return logits
+    rows = jnp.arange(logits.shape[0])[:, None]
+    ids = _scatter_index(blocked_token_ids, logits.shape[1])
+    return logits.at[rows, ids].set(-jnp.inf, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Repetition (prompt + output), then frequency and presence (output) penalties."""
+    num_rows, vocab_size = logits.shape
+    if md.output_token_ids.shape[1] == 0 and md.prompt_token_ids.shape[1] == 0:
+        return logits
+    rows = jnp.arange(num_rows)[:, None]
+    out_ids = _scatter_index(md.output_token_ids, vocab_size)
+    out_counts = jnp.zeros((num_rows, vocab_size), jnp.int32).at[rows, out_ids].add(
+        1, mode="drop")                                        # i32[R, V]
+    in_output = out_counts > 0
+    prompt_ids = _scatter_index(md.prompt_token_ids, vocab_size)
+    seen = in_output.at[rows, prompt_ids].set(True, mode="drop")  # bool[R, V]
+
+    rep = md.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - md.frequency_penalty[:, None] * out_counts.astype(jnp.float32)
+    return logits - md.presence_penalty[:, None] * in_output.astype(jnp.float32)
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """u32 keys that sort like the f32 values x (flip negatives, set the sign bit of the rest)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _key_value(key: jax.Array) -> jax.Array:
+    bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest_threshold(x: jax.Array, lo: jax.Array,
+                       ok: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """f32[R]: per row, the largest value t of x with ok(t), where ok holds at lo (a u32 key) and
+    fails above the row max. ok must be monotone (true below some point, false above it).
+
+    A bisection over the 2**32 float keys: 32 masked reductions over [R, V] instead of sorting
+    the vocabulary, and 5-30x faster than the sort on CPU (same thresholds, bit for bit).
+    """
+    def halve(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        good = ok(_key_value(mid))
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid)
+
+    hi = _order_key(x.max(axis=-1)) + 1
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return _key_value(lo)
+
+
+def filter_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                     min_p: jax.Array) -> jax.Array:
+    """f32[R]: the smallest scaled logit each row keeps after min-p, top-k and top-p.
+
+    Each filter keeps a prefix of the descending order, so one threshold per row covers all
+    three; ties at the threshold are all kept. top-p keeps the shortest prefix whose mass,
+    renormalised over what min-p and top-k left, reaches top_p.
+    """
+    vocab_size = scaled.shape[1]
+    rel_probs = jnp.exp(scaled - scaled.max(axis=-1, keepdims=True))     # f32[R, V]  p_i / p_max
+    t_min_p = jnp.min(jnp.where(rel_probs >= min_p[:, None], scaled, jnp.inf), axis=-1)
+    k = jnp.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
+    t_top_k = _largest_threshold(scaled, _order_key(scaled.min(axis=-1)),
+                                 lambda t: jnp.sum(scaled >= t[:, None], axis=-1) >= k)
+    t_kept = jnp.maximum(t_min_p, t_top_k)
+
+    def mass_at_least(t: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(scaled >= t[:, None], rel_probs, 0.0), axis=-1)
+
+    target = top_p * mass_at_least(t_kept)
+    t_top_p = _largest_threshold(scaled, _order_key(t_kept), lambda t: mass_at_least(t) >= target)
+    return jnp.where(top_p >= 1.0, t_kept, t_top_p)
+
+
+def _row_noise(seed: jax.Array, step: jax.Array, vocab_size: int) -> jax.Array:
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+
+
+def _sample_random(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    num_rows, vocab_size = logits.shape
+    temperature = jnp.where(md.temperature > 0, md.temperature, 1.0)
+    scaled = logits / temperature[:, None]
+    any_filter = jnp.any(((md.top_k > 0) & (md.top_k < vocab_size)) | (md.top_p < 1.0)
+                         | (md.min_p > 0.0))
+    # The threshold search is the sampler's one expensive op: skip it when no row filters.
+    threshold = jax.lax.cond(any_filter, filter_threshold,
+                             lambda s, *_: jnp.full((num_rows,), -jnp.inf, jnp.float32),
+                             scaled, md.top_k, md.top_p, md.min_p)
+    scaled = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+    noise = jax.vmap(_row_noise, in_axes=(0, 0, None))(md.seeds, md.steps, vocab_size)
+    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+    """logits f32[R, V] (any float dtype) -> one token per row, with raw logprobs."""
+    num_rows = logits.shape[0]
+    if md.temperature.shape != (num_rows,):
+        raise ValueError(f"logits must have one row per metadata row "
+                         f"({md.temperature.shape[0]}), got shape {logits.shape}")
+    logits = logits.astype(jnp.float32)
+    log_norm = jax.nn.logsumexp(logits, axis=-1)                          # f32[R]
+
+    processed = apply_penalties(_block_tokens(logits, md.blocked_token_ids), md)
+    sampled = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    if not md.all_greedy:
+        sampled = jnp.where(md.temperature == 0, sampled, _sample_random(processed, md))
+
+    logprob = jnp.take_along_axis(logits, sampled[:, None], axis=-1)[:, 0] - log_norm
+    if md.num_logprobs > 0:
+        top_values, topk_ids = jax.lax.top_k(logits, md.num_logprobs)
+        topk_logprobs = top_values - log_norm[:, None]
+    else:
+        topk_ids = jnp.zeros((num_rows, 0), jnp.int32)
+        topk_logprobs = jnp.zeros((num_rows, 0), jnp.float32)
+    return SamplerOutput(sampled, logprob, topk_ids.astype(jnp.int32), topk_logprobs)
+
+
+# ------------------------------------------------------------------------------- host side
+
+@dataclass(slots=True)
+class RowSpec:
+    params: SamplingParams
+    seed: int                                             # u32, from request_seed
+    output_token_ids: Sequence[int] | np.ndarray = ()     # sampled so far; len() is the step
+    prompt_token_ids: Sequence[int] | np.ndarray = ()     # read only for repetition_penalty
+
+
+def _bucket(length: int, floor: int) -> int:
+    return 0 if length == 0 else max(floor, 1 << (length - 1).bit_length())
+
+
+def _pad_rows(entries: list[tuple[int, Sequence[int] | np.ndarray]], num_rows: int,
+              floor: int) -> np.ndarray:
+    width = _bucket(max((len(ids) for _, ids in entries), default=0), floor)
+    out = np.full((num_rows, width), -1, np.int32)
+    for row, ids in entries:
+        out[row, :len(ids)] = ids
+    return out
+
+
+def make_sampling_metadata(rows: Sequence[RowSpec | None], num_rows_padded: int, *,
+                           eos_token_ids: Sequence[int] = (),
+                           num_logprobs: int | None = None) -> SamplingMetadata:
+    """Host-side (numpy) SamplingMetadata for one step; None rows and padding are greedy dummies.
+
+    Token histories are padded to powers of two (at least HISTORY_MIN_BUCKET) so the number of
+    compiled shapes stays small. `num_logprobs` defaults to the largest any row asks for; pass
+    a fixed value to pin the compiled shape. Move the result with one `jax.device_put(md)`.
+    """
+    if num_rows_padded < len(rows):
+        raise ValueError(f"num_rows_padded must be >= the number of rows ({len(rows)}), "
+                         f"got {num_rows_padded}")
+    n = num_rows_padded
+    temperature = np.zeros(n, np.float32)
+    top_k = np.zeros(n, np.int32)
+    top_p = np.ones(n, np.float32)
+    min_p = np.zeros(n, np.float32)
+    seeds = np.zeros(n, np.uint32)
+    steps = np.zeros(n, np.int32)
+    presence = np.zeros(n, np.float32)
+    frequency = np.zeros(n, np.float32)
+    repetition = np.ones(n, np.float32)
+    outputs: list[tuple[int, Sequence[int] | np.ndarray]] = []
+    prompts: list[tuple[int, Sequence[int] | np.ndarray]] = []
+    blocked: list[tuple[int, Sequence[int] | np.ndarray]] = []
+    max_logprobs = 0
+
+    for i, row in enumerate(rows):
+        if row is None:
+            continue
+        p = row.params
+        if not 0 <= row.seed < SEED_MODULUS:
+            raise ValueError(f"seed must be in [0, 2**32), got {row.seed}")
+        seeds[i] = row.seed
+        steps[i] = len(row.output_token_ids)
+        if not p.greedy:  # neutral filters on greedy rows let the device skip filtering
+            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+        if p.has_penalties:
+            presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
+            repetition[i] = p.repetition_penalty
+            outputs.append((i, row.output_token_ids))
+            if p.repetition_penalty != 1.0:
+                prompts.append((i, row.prompt_token_ids))
+        if steps[i] < p.min_tokens:
+            stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            if stop_ids:
+                blocked.append((i, stop_ids))
+        max_logprobs = max(max_logprobs, p.logprobs or 0)
+
+    if num_logprobs is None:
+        num_logprobs = max_logprobs
+    elif num_logprobs < max_logprobs:
+        raise ValueError(f"num_logprobs must be >= the largest requested logprobs "
+                         f"({max_logprobs}), got {num_logprobs}")
+    return SamplingMetadata(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+        steps=steps, presence_penalty=presence, frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        output_token_ids=_pad_rows(outputs, n, HISTORY_MIN_BUCKET),
+        prompt_token_ids=_pad_rows(prompts, n, HISTORY_MIN_BUCKET),
+        blocked_token_ids=_pad_rows(blocked, n, BLOCKED_MIN_BUCKET),
+        all_greedy=bool(np.all(temperature == 0)), num_logprobs=int(num_logprobs))

@@ -1,0 +1,135 @@
+"""SamplingParams: how one request is sampled and when it stops (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a
+# near-zero temperature is an argmax anyway, and one that overflows.
+SAMPLING_EPS = 1e-5
+SEED_MODULUS = 2**32  # per-request seeds live on the device as u32
+
+
+def _check_int(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off (-1 is stored as 0)
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to the model's context
+    min_tokens: int = 0
+    stop: str | list[str] | None = None  # stored as list[str]
+    stop_token_ids: list[int] | None = None  # stored as list[int]
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs of each sampled position
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+
+        self.temperature = _check_float("temperature", self.temperature)
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or at least 1, got {self.top_k}")
+        self.top_k = max(int(self.top_k), 0)
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+        _check_int("seed", self.seed, allow_none=True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+
+        _check_int("max_tokens", self.max_tokens, allow_none=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens}")
+
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        _check_int("logprobs", self.logprobs, allow_none=True)
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> list[str]:
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if any(s == "" for s in items):
+            raise ValueError(f"stop must not contain an empty string, got {stop!r}")
+        return list(items)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
+        return [int(t) for t in ids]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def request_seed(params: SamplingParams, rng: np.random.Generator, index: int = 0) -> int:
+    """The u32 seed of sample `index` (of `params.n`) of one request.
+
+    A request's own seed gives sample i the seed `seed + i` (as vLLM seeds its n children);
+    otherwise each sample draws one from the engine's seeded `rng`, so a whole run is
+    reproducible from the engine seed, and each request whatever the batch around it.
+    """
+    if params.seed is None:
+        return int(rng.integers(0, SEED_MODULUS))
+    return (int(params.seed) + index) % SEED_MODULUS

@@ -1,0 +1,113 @@
+import re
+
+import numpy as np
+import pytest
+
+from jaxserve.sampling_params import SamplingParams, request_seed
+
+
+def test_defaults_follow_vllm() -> None:
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert (p.max_tokens, p.min_tokens, p.seed, p.logprobs) == (16, 0, None, None)
+    assert (p.stop, p.stop_token_ids) == ([], [])
+    assert not p.ignore_eos and p.skip_special_tokens and not p.include_stop_str_in_output
+    assert not p.greedy and not p.has_penalties
+
+
+def test_stop_and_top_k_are_normalised() -> None:
+    p = SamplingParams(stop="###", stop_token_ids=(7, 9), top_k=-1)
+    assert p.stop == ["###"]
+    assert p.stop_token_ids == [7, 9]
+    assert p.top_k == 0
+    assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
+
+
+@pytest.mark.parametrize("kwargs, greedy", [
+    ({"temperature": 0.0}, True),
+    ({"temperature": 1e-7}, True),
+    ({"temperature": 0.7, "top_k": 1}, True),
+    ({"temperature": 0.7}, False),
+    ({"temperature": 0.7, "top_k": 2}, False),
+])
+def test_greedy_property(kwargs: dict, greedy: bool) -> None:
+    assert SamplingParams(**kwargs).greedy is greedy
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"presence_penalty": 0.1}, {"frequency_penalty": -0.5}, {"repetition_penalty": 1.1}])
+def test_has_penalties(kwargs: dict) -> None:
+    assert SamplingParams(**kwargs).has_penalties
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"top_p": 1.0}, {"top_p": 1e-6}, {"min_p": 0.0}, {"min_p": 1.0}, {"top_k": 1},
+    {"presence_penalty": -2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 1e-3},
+    {"max_tokens": None}, {"max_tokens": 1}, {"min_tokens": 16, "max_tokens": 16},
+    {"min_tokens": 100, "max_tokens": None}, {"logprobs": 0}, {"seed": 0}, {"n": 4},
+    {"temperature": 0}, {"top_p": 1}, {"stop_token_ids": [0]},
+])
+def test_boundary_values_are_accepted(kwargs: dict) -> None:
+    SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field, value", [
+    ({"n": 0}, "n", "0"),
+    ({"n": 1.5}, "n", "1.5"),
+    ({"temperature": -0.1}, "temperature", "-0.1"),
+    ({"temperature": float("nan")}, "temperature", "nan"),
+    ({"temperature": float("inf")}, "temperature", "inf"),
+    ({"temperature": "hot"}, "temperature", "hot"),
+    ({"top_p": 0.0}, "top_p", "0.0"),
+    ({"top_p": 1.5}, "top_p", "1.5"),
+    ({"top_p": float("nan")}, "top_p", "nan"),
+    ({"top_k": -2}, "top_k", "-2"),
+    ({"top_k": 2.0}, "top_k", "2.0"),
+    ({"min_p": -0.1}, "min_p", "-0.1"),
+    ({"min_p": 1.1}, "min_p", "1.1"),
+    ({"seed": 1.0}, "seed", "1.0"),
+    ({"seed": "7"}, "seed", "7"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "2.5"),
+    ({"presence_penalty": -2.1}, "presence_penalty", "-2.1"),
+    ({"frequency_penalty": 3}, "frequency_penalty", "3"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty", "0.0"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty", "-1.0"),
+    ({"max_tokens": 0}, "max_tokens", "0"),
+    ({"max_tokens": -5}, "max_tokens", "-5"),
+    ({"max_tokens": True}, "max_tokens", "True"),
+    ({"min_tokens": -1}, "min_tokens", "-1"),
+    ({"min_tokens": 17}, "min_tokens", "17"),
+    ({"stop": [""]}, "stop", "''"),
+    ({"stop": ["ok", 3]}, "stop", "3"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "-1"),
+    ({"stop_token_ids": 5}, "stop_token_ids", "5"),
+    ({"logprobs": -1}, "logprobs", "-1"),
+])
+def test_invalid_parameter_raises_value_error_naming_field_and_value(
+        kwargs: dict, field: str, value: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(field)) as info:
+        SamplingParams(**kwargs)
+    assert str(info.value).startswith(field)
+    assert value in str(info.value)
+
+
+def test_own_seed_gives_children_consecutive_seeds() -> None:
+    rng = np.random.default_rng(0)
+    p = SamplingParams(seed=41, n=3)
+    assert [request_seed(p, rng, i) for i in range(3)] == [41, 42, 43]
+    assert request_seed(SamplingParams(seed=2**32 + 5), rng) == 5
+    assert request_seed(SamplingParams(seed=-1), rng) == 2**32 - 1
+
+
+def test_drawn_seeds_are_reproducible_from_engine_seed() -> None:
+    p = SamplingParams()
+    first = [request_seed(p, np.random.default_rng(123), 0)]
+    rng_a, rng_b = np.random.default_rng(123), np.random.default_rng(123)
+    seeds_a = [request_seed(p, rng_a, i) for i in range(8)]
+    seeds_b = [request_seed(p, rng_b, i) for i in range(8)]
+    assert seeds_a == seeds_b
+    assert seeds_a[0] == first[0]
+    assert len(set(seeds_a)) == 8
+    assert all(0 <= s < 2**32 for s in seeds_a)
+    assert seeds_a != [request_seed(p, np.random.default_rng(124), i) for i in range(8)]
