@@ -1,0 +1,111 @@
+"""Converted checkpoints: canonical params through orbax, the LlamaConfig as JSON, and the
+tokenizer (HF files copied, a SentencePiece vocab as JSON).
+
+Layout of `dst/`: `jaxserve_config.json`, `params/` (orbax StandardCheckpointer),
+`tokenizer/` (`tokenizer.json` ... or `sentencepiece.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxserve.models.llama_config import LlamaConfig, check_params
+from jaxserve.models.loader import CONVERTED_CONFIG_FILE, LoadedModel, read_json
+from jaxserve.models.sentencepiece_tokenizer import SentencePieceTokenizer
+from jaxserve.models.tokenizer import HF_TOKENIZER_FILES, HFTokenizer, Tokenizer, load_hf_tokenizer
+
+FORMAT_VERSION = 1
+SENTENCEPIECE_FILE = "sentencepiece.json"
+
+
+def config_to_dict(config: LlamaConfig) -> dict[str, Any]:
+    d = dataclasses.asdict(config)
+    d["rope_scaling"] = dict(config.rope_scaling) if config.rope_scaling else None
+    d["eos_token_ids"] = list(config.eos_token_ids)
+    return d
+
+
+def config_from_dict(d: dict[str, Any], source: str) -> LlamaConfig:
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        raise ValueError(f"{source}: unknown config keys {unknown}")
+    d = dict(d)
+    if d.get("rope_scaling"):
+        d["rope_scaling"] = tuple(sorted(d["rope_scaling"].items()))
+    if "eos_token_ids" in d:
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+    try:
+        return LlamaConfig(**d)
+    except TypeError as e:  # a required field is absent
+        raise ValueError(f"{source}: {e}") from e
+
+
+def _save_tokenizer(tokenizer: Tokenizer, dst: Path) -> None:
+    dst.mkdir()
+    if isinstance(tokenizer, HFTokenizer):
+        for name in HF_TOKENIZER_FILES:
+            if (tokenizer.directory / name).is_file():
+                shutil.copy2(tokenizer.directory / name, dst / name)
+    elif isinstance(tokenizer, SentencePieceTokenizer):
+        (dst / SENTENCEPIECE_FILE).write_text(json.dumps(tokenizer.to_dict(), ensure_ascii=False))
+    else:
+        raise ValueError(f"cannot save a tokenizer of type {type(tokenizer).__name__}")
+
+
+def _load_tokenizer(src: Path, config: LlamaConfig) -> Tokenizer | None:
+    if (src / SENTENCEPIECE_FILE).is_file():
+        return SentencePieceTokenizer.from_dict(read_json(src / SENTENCEPIECE_FILE))
+    return load_hf_tokenizer(src, bos_token_id=config.bos_token_id,
+                             eos_token_id=(config.eos_token_ids or (None,))[0])
+
+
+def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:
+    import orbax.checkpoint as ocp
+
+    dst = Path(dst).resolve()
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"convert destination {str(dst)!r} exists and is not an empty directory")
+    check_params(loaded.config, loaded.params, "save_converted")
+    dst.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(dst / "params", loaded.params)
+        checkpointer.wait_until_finished()
+    if loaded.tokenizer is not None:
+        _save_tokenizer(loaded.tokenizer, dst / "tokenizer")
+    # Written last: its presence marks a complete converted checkpoint.
+    (dst / CONVERTED_CONFIG_FILE).write_text(json.dumps(
+        {"format_version": FORMAT_VERSION, "config": config_to_dict(loaded.config)}, indent=1))
+    return dst
+
+
+def load_converted(path: str | Path, target: dict[str, Any] | None = None) -> LoadedModel:
+    """Restore a `save_converted` directory. `target` maps names to `jax.ShapeDtypeStruct`s
+    (with shardings) to restore straight into device arrays; without it the params are numpy."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).resolve()
+    meta = read_json(path / CONVERTED_CONFIG_FILE)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path / CONVERTED_CONFIG_FILE}: format_version "
+                         f"{meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+    config = config_from_dict(meta["config"], str(path / CONVERTED_CONFIG_FILE))
+    if not (path / "params").is_dir():
+        raise ValueError(f"{path}: converted checkpoint has no params/ directory")
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = checkpointer.restore(path / "params", target)
+    except Exception as e:  # orbax/tensorstore errors for missing or corrupt chunks
+        raise ValueError(f"{path / 'params'}: cannot restore orbax checkpoint: {e}") from e
+    if target is None:
+        params = {k: np.asarray(v) for k, v in params.items()}
+    check_params(config, params, str(path))
+    tok_dir = path / "tokenizer"
+    tokenizer = _load_tokenizer(tok_dir, config) if tok_dir.is_dir() else None
+    return LoadedModel(config=config, params=dict(params), tokenizer=tokenizer)

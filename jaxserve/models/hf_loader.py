@@ -1,0 +1,147 @@
+"""HF checkpoint directories: config.json, one or sharded *.safetensors, tokenizer files."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes  # noqa: F401  registers numpy's "bfloat16", which safetensors asks for
+import numpy as np
+
+from jaxserve.models.llama_config import LlamaConfig, check_params, param_shapes
+from jaxserve.models.loader import LoadedModel, read_json
+from jaxserve.models.tokenizer import load_hf_tokenizer
+
+INDEX_FILE = "model.safetensors.index.json"
+
+# canonical name -> (HF name inside `model.layers.{i}.`, stored as torch Linear [out, in])
+_LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+_GLOBAL_TENSORS = {
+    "embed": ("model.embed_tokens.weight", False),
+    "final_norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+}
+# Present in some checkpoints, never needed: RoPE tables are recomputed from the config.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(directory: Path) -> LlamaConfig:
+    cfg: dict[str, Any] = read_json(directory / "config.json")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{directory}/config.json: mlp_bias=true is not supported")
+    try:
+        config = LlamaConfig.from_hf_dict(cfg)
+    except KeyError as e:
+        raise ValueError(f"{directory}/config.json: missing key {e.args[0]!r}") from e
+    gen_file = directory / "generation_config.json"
+    if gen_file.is_file():
+        eos = read_json(gen_file).get("eos_token_id")
+        if eos is not None:
+            config = config.replace(eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
+    return config
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file holding it."""
+    index_file = directory / INDEX_FILE
+    if index_file.is_file():
+        weight_map = read_json(index_file).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_file}: no 'weight_map'")
+        files = {name: directory / fname for name, fname in weight_map.items()}
+        for fname in sorted(set(files.values())):
+            if not fname.is_file():
+                raise ValueError(f"{index_file}: weight file {fname.name!r} is missing")
+        return files
+    candidates = sorted(directory.glob("*.safetensors"))
+    if not candidates:
+        raise ValueError(f"{directory}: no *.safetensors weight file")
+    from safetensors import safe_open
+
+    files: dict[str, Path] = {}
+    for fname in candidates:
+        try:
+            with safe_open(str(fname), framework="numpy") as f:
+                files.update((name, fname) for name in f.keys())
+        except Exception as e:  # SafetensorError: truncated or corrupt header
+            raise ValueError(f"{fname}: cannot read safetensors file: {e}") from e
+    return files
+
+
+class _TensorReader:
+    def __init__(self, files: dict[str, Path], stack: contextlib.ExitStack) -> None:
+        self.files = files
+        self.stack = stack
+        self.handles: dict[Path, Any] = {}
+        self.used: set[str] = set()
+
+    def get(self, name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+        from safetensors import safe_open
+
+        fname = self.files.get(name)
+        if fname is None:
+            raise ValueError(f"tensor {name!r} is not in any *.safetensors file")
+        try:
+            if fname not in self.handles:
+                self.handles[fname] = self.stack.enter_context(
+                    safe_open(str(fname), framework="numpy"))
+            tensor = self.handles[fname].get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"{fname}: cannot read tensor {name!r}: {e}") from e
+        stored = tuple(reversed(shape)) if transpose else shape
+        if tuple(tensor.shape) != stored:
+            raise ValueError(f"{fname.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {stored}")
+        self.used.add(name)
+        return tensor.T if transpose else tensor
+
+
+def load_hf_params(directory: Path, config: LlamaConfig) -> dict[str, np.ndarray]:
+    files = _weight_files(directory)
+    params: dict[str, np.ndarray] = {}
+    with contextlib.ExitStack() as stack:
+        reader = _TensorReader(files, stack)
+        for name, shape in param_shapes(config).items():
+            if name in _GLOBAL_TENSORS:
+                hf_name, transpose = _GLOBAL_TENSORS[name]
+                params[name] = np.ascontiguousarray(reader.get(hf_name, shape, transpose),
+                                                    dtype=np.float32)
+                continue
+            suffix, transpose = _LAYER_TENSORS[name]
+            out = np.empty(shape, np.float32)
+            for layer in range(config.num_layers):
+                out[layer] = reader.get(f"model.layers.{layer}.{suffix}", shape[1:], transpose)
+            params[name] = out
+    unused = sorted(n for n in set(files) - reader.used
+                    if not n.endswith(_IGNORED_SUFFIXES)
+                    and not (n == "lm_head.weight" and config.tie_word_embeddings))
+    if unused:
+        raise ValueError(f"{directory}: unexpected tensors for {config.architecture}: "
+                         f"{unused[:5]}{' ...' if len(unused) > 5 else ''}")
+    return params
+
+
+def load_hf(directory: str | Path) -> LoadedModel:
+    directory = Path(directory)
+    config = read_hf_config(directory)
+    params = load_hf_params(directory, config)
+    check_params(config, params, str(directory))
+    tokenizer = load_hf_tokenizer(directory, bos_token_id=config.bos_token_id,
+                                  eos_token_id=(config.eos_token_ids or (None,))[0])
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer)

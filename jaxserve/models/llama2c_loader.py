@@ -1,0 +1,111 @@
+"""llama2.c "version 0" checkpoints (`model.bin`) and their `tok*.bin` tokenizer."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.models.llama_config import LlamaConfig, check_params
+from jaxserve.models.loader import LoadedModel
+from jaxserve.models.sentencepiece_tokenizer import SentencePieceTokenizer
+
+_HEADER = struct.Struct("<7i")
+_VERSIONED_MAGIC = 0x616B3432  # "ak42": llama2.c's later export versions, not handled here
+
+
+def interleaved_to_half_split(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Reorder the output rows of a q/k projection `[..., out, in]` (or of a bias `[out]`) from
+    interleaved RoPE pairs (2i, 2i+1) to HF's half-split order (i, i + head_dim/2)."""
+    if w.ndim == 1:
+        rows = w.shape[0]
+        return w.reshape(n_heads, rows // n_heads // 2, 2).transpose(0, 2, 1).reshape(rows)
+    rows, cols = w.shape[-2:]
+    lead = w.shape[:-2]
+    out = w.reshape(*lead, n_heads, rows // n_heads // 2, 2, cols)
+    out = np.swapaxes(out, -3, -2)
+    return out.reshape(*lead, rows, cols)
+
+
+def _find_tokenizer(model_path: Path, vocab_size: int) -> Path | None:
+    folder = model_path.parent
+    for name in (f"tok{vocab_size}.bin", "tokenizer.bin"):
+        if (folder / name).is_file():
+            return folder / name
+    candidates = sorted(p for p in folder.glob("tok*.bin") if p != model_path)
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def load_llama2c(path: str | Path) -> LoadedModel:
+    path = Path(path)
+    size = path.stat().st_size
+    if size < _HEADER.size:
+        raise ValueError(f"{path}: truncated llama2.c checkpoint ({size} bytes, no header)")
+    with open(path, "rb") as f:
+        header = _HEADER.unpack(f.read(_HEADER.size))
+    if header[0] == _VERSIONED_MAGIC:
+        raise ValueError(f"{path}: llama2.c export version 1/2 ('ak42' magic) is not supported; "
+                         "export with version 0 (legacy)")
+    dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len = header
+    tied = vocab > 0
+    vocab = abs(vocab)
+    names = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
+    for name, value in zip(names, (dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len)):
+        if value <= 0:
+            raise ValueError(f"{path}: llama2.c header field {name} must be positive, got {value}")
+    if dim % n_heads or n_heads % n_kv_heads:
+        raise ValueError(f"{path}: llama2.c header: dim {dim}, n_heads {n_heads}, n_kv_heads "
+                         f"{n_kv_heads} do not divide evenly")
+    head_dim = dim // n_heads
+    kv_dim = n_kv_heads * head_dim
+    L = n_layers
+    layout: list[tuple[str, tuple[int, ...]]] = [
+        ("embed", (vocab, dim)), ("attn_norm", (L, dim)), ("wq", (L, dim, dim)),
+        ("wk", (L, kv_dim, dim)), ("wv", (L, kv_dim, dim)), ("wo", (L, dim, dim)),
+        ("mlp_norm", (L, dim)), ("w_gate", (L, hidden, dim)), ("w_down", (L, dim, hidden)),
+        ("w_up", (L, hidden, dim)), ("final_norm", (dim,)),
+        ("rope_real", (seq_len * head_dim // 2,)), ("rope_imag", (seq_len * head_dim // 2,)),
+    ]
+    if not tied:
+        layout.append(("lm_head", (vocab, dim)))
+    expected = _HEADER.size + 4 * sum(int(np.prod(shape)) for _, shape in layout)
+    if size < expected:
+        raise ValueError(f"{path}: truncated llama2.c checkpoint: {size} bytes, the header "
+                         f"implies {expected}")
+    if size > expected:
+        raise ValueError(f"{path}: {size - expected} unexpected trailing bytes after the weights "
+                         f"the header implies ({expected} bytes)")
+    flat = np.memmap(path, dtype="<f4", mode="r", offset=_HEADER.size)
+    raw: dict[str, np.ndarray] = {}
+    offset = 0
+    for name, shape in layout:
+        count = int(np.prod(shape))
+        raw[name] = flat[offset:offset + count].reshape(shape)
+        offset += count
+
+    params = {
+        "embed": np.array(raw["embed"], dtype=np.float32),
+        "attn_norm": np.array(raw["attn_norm"], dtype=np.float32),
+        "mlp_norm": np.array(raw["mlp_norm"], dtype=np.float32),
+        "final_norm": np.array(raw["final_norm"], dtype=np.float32),
+        "wq": np.ascontiguousarray(
+            np.swapaxes(interleaved_to_half_split(raw["wq"], n_heads), 1, 2), dtype=np.float32),
+        "wk": np.ascontiguousarray(
+            np.swapaxes(interleaved_to_half_split(raw["wk"], n_kv_heads), 1, 2), dtype=np.float32),
+    }
+    for name in ("wv", "wo", "w_gate", "w_up", "w_down"):
+        params[name] = np.ascontiguousarray(np.swapaxes(raw[name], 1, 2), dtype=np.float32)
+    if not tied:
+        params["lm_head"] = np.ascontiguousarray(raw["lm_head"].T, dtype=np.float32)
+    del flat, raw
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_layers=n_layers,
+        num_heads=n_heads, num_kv_heads=n_kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=seq_len, tie_word_embeddings=tied,
+        bos_token_id=1, eos_token_ids=(2,))
+    check_params(config, params, str(path))
+    tok_path = _find_tokenizer(path, vocab)
+    tokenizer = SentencePieceTokenizer.from_llama2c(tok_path, vocab) if tok_path else None
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer)

@@ -1,0 +1,176 @@
+"""The tokenizer interface, streaming detokenisation, and the HF `tokenizer.json` tokenizer."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+# Files that make up an HF tokenizer directory; copied verbatim when a checkpoint is converted.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "chat_template.jinja", "chat_template.json")
+
+# How many tokens before the first new one are decoded with it, so merges and leading-space
+# rules see the same context as a full decode would.
+_CONTEXT_TOKENS = 5
+
+
+class Tokenizer(ABC):
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    @abstractmethod
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    @abstractmethod
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        raise ValueError(f"{type(self).__name__} has no chat template")
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of output ids into text deltas (vLLM's prefix/read offset scheme).
+
+    Each push decodes a short window that starts a few tokens back, and emits what it adds beyond
+    the already-emitted part of that window. Text ending in U+FFFD (an incomplete UTF-8 sequence
+    split across byte tokens) is held back until the next ids complete it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.read_offset = len(self.token_ids)
+        self.prefix_offset = max(self.read_offset - _CONTEXT_TOKENS, 0)
+        self.text = ""
+
+    def _decode(self, start: int, stop: int | None = None) -> str:
+        return self.tokenizer.decode(self.token_ids[start:stop],
+                                     skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        self.token_ids.extend(token_ids)
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an unfinished UTF-8 sequence at the end of the output)."""
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset)
+        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+
+def _special_token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HFTokenizer(Tokenizer):
+    """`tokenizer.json` through the `tokenizers` library; chat templates rendered with jinja2."""
+
+    def __init__(self, directory: str | Path, *, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None) -> None:
+        from tokenizers import Tokenizer as _RustTokenizer
+
+        self.directory = Path(directory)
+        path = self.directory / "tokenizer.json"
+        try:
+            self._tok = _RustTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust error says what is wrong with the JSON
+            raise ValueError(f"{path}: cannot load tokenizer: {e}") from e
+        config_path = self.directory / "tokenizer_config.json"
+        self._config: dict[str, Any] = (json.loads(config_path.read_text())
+                                        if config_path.exists() else {})
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token = _special_token_content(self._config.get("bos_token"))
+        self.eos_token = _special_token_content(self._config.get("eos_token"))
+        self.bos_token_id = self._token_id(self.bos_token, bos_token_id)
+        self.eos_token_id = self._token_id(self.eos_token, eos_token_id)
+        if self.bos_token is None and self.bos_token_id is not None:
+            self.bos_token = self._tok.id_to_token(self.bos_token_id)
+        if self.eos_token is None and self.eos_token_id is not None:
+            self.eos_token = self._tok.id_to_token(self.eos_token_id)
+        self.add_bos_token = bool(self._config.get("add_bos_token", False))
+        self.chat_template = self._find_chat_template()
+
+    def _token_id(self, token: str | None, fallback: int | None) -> int | None:
+        token_id = self._tok.token_to_id(token) if token is not None else None
+        return token_id if token_id is not None else fallback
+
+    def _find_chat_template(self) -> str | None:
+        jinja_file = self.directory / "chat_template.jinja"
+        if jinja_file.exists():
+            return jinja_file.read_text()
+        json_file = self.directory / "chat_template.json"
+        if json_file.exists():
+            return json.loads(json_file.read_text()).get("chat_template")
+        template = self._config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default")
+        return template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat_template(self, messages: list[dict[str, Any]],
+                             add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError(f"tokenizer at {self.directory} has no chat template")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=None)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template of {self.directory}: {e}") from e
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        # The template writes the BOS itself, so the rendered text is encoded without specials.
+        text = self.render_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+def load_hf_tokenizer(directory: str | Path, *, bos_token_id: int | None = None,
+                      eos_token_id: int | None = None) -> HFTokenizer | None:
+    """The tokenizer of an HF checkpoint directory, or None when it has no `tokenizer.json`."""
+    if not (Path(directory) / "tokenizer.json").exists():
+        return None
+    return HFTokenizer(directory, bos_token_id=bos_token_id, eos_token_id=eos_token_id)

@@ -1,0 +1,52 @@
+"""Shared fixtures. torch/transformers are never imported here (slow); the builders do that."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STORIES_CANDIDATES = (Path("/work/shared/models/stories260K"),
+                      REPO_ROOT.parent / "shared" / "models" / "stories260K")
+
+
+def _verify_sha256sums(folder: Path) -> None:
+    for line in (folder / "SHA256SUMS").read_text().splitlines():
+        if not line.strip():
+            continue
+        digest, name = line.split(maxsplit=1)
+        name = name.lstrip("*")
+        actual = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        if actual != digest:
+            raise ValueError(f"{folder / name}: SHA256 {actual} does not match SHA256SUMS")
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """The stories260K test model folder; tests using it skip when it is absent."""
+    for folder in STORIES_CANDIDATES:
+        if (folder / "SHA256SUMS").is_file():
+            _verify_sha256sums(folder)
+            return folder
+    pytest.skip("stories260K not found (../shared/models/stories260K)")
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: `hf_checkpoint(kind, tie=..., num_kv_heads=..., ...)` -> checkpoint directory,
+    built once per session for each distinct set of arguments."""
+    cache: dict[tuple, Path] = {}
+    root = tmp_path_factory.mktemp("hf_checkpoints")
+
+    def build(kind: str, **kwargs: object) -> Path:
+        key = (kind, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            from hf_checkpoints import build_hf_checkpoint
+
+            cache[key] = build_hf_checkpoint(root, kind, **kwargs)
+        return cache[key]
+
+    return build

@@ -1,0 +1,132 @@
+"""Tiny random HF checkpoints (Llama family) built locally with `save_pretrained`, for tests.
+
+torch and transformers are imported inside the functions: importing them costs ~8 s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+KINDS = ("llama", "llama3.1", "mistral", "qwen2", "qwen3")
+BOS, EOS = "<s>", "</s>"
+BOS_ID, EOS_ID = 0, 1  # the trainer gives the special tokens the first ids, in order
+
+# Text to train the byte-level BPE on; the non-ASCII line leaves multi-byte characters split
+# over several byte tokens.
+TRAINING_TEXT = [
+    "Once upon a time there was a little robot who lived by the sea.",
+    "The robot liked to read books about boats, fish and the stars at night.",
+    "Every morning it said hello to the birds and the old lighthouse keeper.",
+    "Café crème, naïve façade — 日本語のテキスト ☃ and emoji 🙂 too.",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if loop.first %}{{ bos_token }}{% endif %}"
+    "<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_MODEL_CACHE: dict[str, Any] = {}
+
+
+def _hf_config(kind: str, *, tie: bool, num_kv_heads: int, vocab_size: int) -> Any:
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=num_kv_heads, tie_word_embeddings=tie,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, rms_norm_eps=1e-6,
+    )
+    if kind == "llama":
+        return transformers.LlamaConfig(**common, rope_theta=10000.0)
+    if kind == "llama3.1":
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        return transformers.LlamaConfig(**common, rope_theta=500000.0, rope_scaling=scaling,
+                                        max_position_embeddings=131072)
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, rope_theta=1000000.0)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**common, rope_theta=1000000.0)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def _perturb(model: Any) -> None:
+    """HF initialises norm scales to 1 and biases to 0; randomise them so a loader that swaps
+    or drops them is caught."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.02 * torch.randn_like(p))
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 320) -> None:
+    """A byte-level BPE (`tokenizer.json`) with BOS/EOS specials, a BOS-adding post-processor
+    and a chat template, saved through transformers the way real checkpoints are."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(TRAINING_TEXT, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
+                                   chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(str(out_dir))
+
+
+def build_hf_checkpoint(tmp_dir: Path, kind: str, *, tie: bool = False,
+                        num_kv_heads: int | None = None, seed: int = 0, vocab_size: int = 320,
+                        dtype: str = "float32", max_shard_size: str | None = None) -> Path:
+    """Write a tiny random checkpoint of `kind` (hidden 64, 2 layers, 4 heads, head_dim 16;
+    qwen3: head_dim 32) with 2 KV heads by default (GQA; pass 4 for MHA) into a new directory
+    under `tmp_dir` and return it. `max_shard_size` (e.g. "40KB") writes a sharded checkpoint
+    with `model.safetensors.index.json`."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    config = _hf_config(kind, tie=tie, num_kv_heads=num_kv_heads or 2, vocab_size=vocab_size)
+    name = (f"{kind}-{'tied' if tie else 'untied'}-kv{config.num_key_value_heads}-s{seed}"
+            f"-v{vocab_size}-{dtype}" + (f"-shard{max_shard_size}" if max_shard_size else ""))
+    out_dir = Path(tmp_dir) / name
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb(model)
+    model = model.to(getattr(torch, dtype)).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out_dir), **kwargs)
+    build_tokenizer(out_dir, vocab_size)
+    return out_dir
+
+
+def hf_model(path: str | Path) -> Any:
+    """The checkpoint at `path` as a float32 transformers model in eval mode (cached per path)."""
+    key = str(Path(path).resolve())
+    if key not in _MODEL_CACHE:
+        import torch
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            key, dtype=torch.float32, attn_implementation="eager")
+        _MODEL_CACHE[key] = model.eval()
+    return _MODEL_CACHE[key]
+
+
+# The `hf_checkpoint` fixture: `hf_checkpoint(kind, **build_hf_checkpoint kwargs) -> Path`.
+Factory = Callable[..., Path]

@@ -1,0 +1,200 @@
+"""GGUF loader: llama.cpp's tensor layout and types, written here with `gguf.GGUFWriter`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import ml_dtypes
+import numpy as np
+import pytest
+
+from hf_checkpoints import Factory
+from jaxserve.models.llama_config import LlamaConfig
+from jaxserve.models.loader import LoadedModel, load_model
+
+Q = gguf.GGMLQuantizationType
+LAYER_NAMES = {
+    "attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
+    "wv": "attn_v.weight", "wo": "attn_output.weight", "bq": "attn_q.bias", "bk": "attn_k.bias",
+    "bv": "attn_v.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "mlp_norm": "ffn_norm.weight", "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
+}
+LINEAR = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3"}
+
+
+def hf_to_interleaved(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's `permute` for q/k rows `[out, ...]`: HF half-split -> interleaved pairs."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def gguf_tensors(loaded: LoadedModel, arch: str) -> dict[str, np.ndarray]:
+    """The canonical params in GGUF's layout: `[out, in]`, q/k interleaved for "llama"."""
+    cfg, p = loaded.config, loaded.params
+    out = {"token_embd.weight": p["embed"], "output_norm.weight": p["final_norm"]}
+    if "lm_head" in p:
+        out["output.weight"] = p["lm_head"].T
+    for name, suffix in LAYER_NAMES.items():
+        if name not in p:
+            continue
+        for layer in range(cfg.num_layers):
+            w = p[name][layer].T if name in LINEAR else p[name][layer]
+            if arch == "llama" and name in ("wq", "bq"):
+                w = hf_to_interleaved(w, cfg.num_heads)
+            elif arch == "llama" and name in ("wk", "bk"):
+                w = hf_to_interleaved(w, cfg.num_kv_heads)
+            out[f"blk.{layer}.{suffix}"] = np.ascontiguousarray(w, dtype=np.float32)
+    return out
+
+
+def write_gguf(path: Path, cfg: LlamaConfig, tensors: dict[str, np.ndarray], *,
+               qtype: Q = Q.F32, arch: str | None = None,
+               raw_override: dict[str, tuple[np.ndarray, Q]] | None = None,
+               kv_heads_per_layer: list[int] | None = None) -> Path:
+    arch = arch or GGUF_ARCH[cfg.architecture]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(kv_heads_per_layer or cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    for name, w in tensors.items():
+        if raw_override and name in raw_override:
+            data, raw_type = raw_override[name]
+            writer.add_tensor(name, data, raw_dtype=raw_type)
+        elif w.ndim == 1 or qtype == Q.F32:  # llama.cpp keeps norms and biases in F32
+            writer.add_tensor(name, w)
+        elif qtype == Q.F16:
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def round_trip(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """What a tensor `[out, in]` becomes after storing it as `qtype`."""
+    if qtype == Q.F32 or w.ndim == 1:
+        return w
+    if qtype == Q.F16:
+        return w.astype(np.float16).astype(np.float32)
+    if qtype == Q.BF16:
+        return w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
+def test_gguf_llama_layout_and_types_load_as_canonical(
+        hf_checkpoint: Factory, tmp_path: Path, qtype: Q) -> None:
+    hf = load_model(hf_checkpoint("llama"))
+    path = write_gguf(tmp_path / "m.gguf", hf.config, gguf_tensors(hf, "llama"), qtype=qtype)
+    loaded = load_model(path)
+    cfg = loaded.config
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta,
+            cfg.rms_norm_eps, cfg.tie_word_embeddings) == (64, 4, 2, 16, 10000.0, 1e-6, False)
+    assert sorted(loaded.params) == sorted(hf.params)
+    for name, value in hf.params.items():
+        if name in LINEAR or name == "lm_head":
+            expected = np.stack([round_trip(w.T, qtype).T for w in value]) if value.ndim == 3 \
+                else round_trip(value.T, qtype).T
+        elif name == "embed":
+            expected = round_trip(value, qtype)
+        else:  # norms: one F32 vector per layer
+            expected = value
+        np.testing.assert_array_equal(loaded.params[name], expected, err_msg=name)
+        if qtype == Q.Q8_0:  # blocks of 32 with one scale: error <= max|block| / 127 / 2
+            np.testing.assert_allclose(loaded.params[name], value, rtol=0,
+                                       atol=float(np.abs(value).max()) / 127)
+    assert loaded.tokenizer is None
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_gguf_qwen_keeps_hf_rope_order_biases_and_qk_norms(
+        hf_checkpoint: Factory, tmp_path: Path, kind: str) -> None:
+    hf = load_model(hf_checkpoint(kind, tie=True))
+    path = write_gguf(tmp_path / "m.gguf", hf.config, gguf_tensors(hf, kind))
+    loaded = load_model(path)
+    assert loaded.config.architecture == hf.config.architecture
+    assert loaded.config.attention_bias == hf.config.attention_bias
+    assert loaded.config.qk_norm == hf.config.qk_norm
+    assert loaded.config.head_dim == hf.config.head_dim
+    assert loaded.config.tie_word_embeddings
+    assert sorted(loaded.params) == sorted(hf.params)
+    for name, value in hf.params.items():
+        np.testing.assert_array_equal(loaded.params[name], value, err_msg=name)
+
+
+def test_gguf_llama_biases_are_permuted_like_their_rows(tmp_path: Path) -> None:
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=8, attention_bias=True)
+    hf = load_model(None, "dummy", dummy_config=cfg, seed=5)
+    loaded = load_model(write_gguf(tmp_path / "m.gguf", cfg, gguf_tensors(hf, "llama")))
+    for name in ("wq", "wk", "bq", "bk", "bv"):
+        np.testing.assert_array_equal(loaded.params[name], hf.params[name], err_msg=name)
+
+
+def test_gguf_output_identical_to_embedding_means_tied(
+        hf_checkpoint: Factory, tmp_path: Path) -> None:
+    hf = load_model(hf_checkpoint("llama", tie=True))
+    tensors = gguf_tensors(hf, "llama") | {"output.weight": hf.params["embed"]}
+    loaded = load_model(write_gguf(tmp_path / "m.gguf", hf.config, tensors))
+    assert loaded.config.tie_word_embeddings and "lm_head" not in loaded.params
+
+
+def test_gguf_unsupported_tensor_type_names_tensor_and_type(
+        hf_checkpoint: Factory, tmp_path: Path) -> None:
+    hf = load_model(hf_checkpoint("llama"))
+    tensors = gguf_tensors(hf, "llama")
+    block, size = gguf.GGML_QUANT_SIZES[Q.Q8_1]
+    rows, cols = tensors["blk.1.attn_v.weight"].shape
+    raw = np.zeros((rows, cols // block * size), np.uint8)
+    path = write_gguf(tmp_path / "m.gguf", hf.config, tensors,
+                      raw_override={"blk.1.attn_v.weight": (raw, Q.Q8_1)})
+    with pytest.raises(ValueError, match=r"blk\.1\.attn_v\.weight.*Q8_1"):
+        load_model(path)
+
+
+def test_gguf_bad_files_give_clear_errors(hf_checkpoint: Factory, tmp_path: Path) -> None:
+    hf = load_model(hf_checkpoint("llama"))
+    tensors = gguf_tensors(hf, "llama")
+    path = write_gguf(tmp_path / "arch.gguf", hf.config, tensors, arch="falcon")
+    with pytest.raises(ValueError, match="falcon"):
+        load_model(path)
+
+    missing = {k: v for k, v in tensors.items() if k != "blk.1.ffn_up.weight"}
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight"):
+        load_model(write_gguf(tmp_path / "missing.gguf", hf.config, missing))
+
+    wrong = tensors | {"blk.0.attn_k.weight": np.zeros((16, 64), np.float32)}
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_k\.weight.*\(16, 64\)"):
+        load_model(write_gguf(tmp_path / "shape.gguf", hf.config, wrong))
+
+    extra = tensors | {"blk.0.ffn_gate_exps.weight": np.zeros((4, 4), np.float32)}
+    with pytest.raises(ValueError, match="ffn_gate_exps"):
+        load_model(write_gguf(tmp_path / "extra.gguf", hf.config, extra))
+
+    uniform = write_gguf(tmp_path / "uniform.gguf", hf.config, tensors, kv_heads_per_layer=[2, 2])
+    assert load_model(uniform).config.num_kv_heads == 2
+    mixed = write_gguf(tmp_path / "mixed.gguf", hf.config, tensors, kv_heads_per_layer=[2, 1])
+    with pytest.raises(ValueError, match="head_count_kv.*differs between layers"):
+        load_model(mixed)
+
+    good = write_gguf(tmp_path / "good.gguf", hf.config, tensors).read_bytes()
+    (tmp_path / "truncated.gguf").write_bytes(good[: len(good) - 4096])
+    with pytest.raises(ValueError, match="truncated.gguf"):
+        load_model(tmp_path / "truncated.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"GGML" + good[4:64])
+    with pytest.raises(ValueError, match="junk.gguf"):
+        load_model(tmp_path / "junk.gguf")

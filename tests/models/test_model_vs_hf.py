@@ -1,0 +1,91 @@
+"""The JAX model against HF transformers' own forward pass and `generate`, on the same weights."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxserve.layers.attention import AttentionMetadata, get_attention_backend
+from jaxserve.models.llama import Llama, init_kv_cache
+from jaxserve.models.loader import load_model
+
+BLOCK = 16
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _forward(graphdef, backend, state, ids, md, k_cache, v_cache):
+    model = nnx.merge(graphdef, state)
+    hidden, k_cache, v_cache = model(ids, md, k_cache, v_cache, backend)
+    return model.compute_logits(hidden), k_cache, v_cache
+
+
+def forward_logits(path, token_ids: list[int], splits: list[int]) -> np.ndarray:
+    """Logits at every position, computed in len(splits) calls that share one paged cache:
+    each call reads the KV that the earlier calls wrote."""
+    loaded = load_model(str(path))
+    graphdef, state = nnx.split(Llama(loaded.config, loaded.params))
+    k_cache, v_cache = init_kv_cache(loaded.config, 16, BLOCK)
+    table = np.arange(15, 0, -1, dtype=np.int32)[None]  # blocks out of order on purpose
+    backend = get_attention_backend("xla")
+    logits, start = [], 0
+    for end in splits + [len(token_ids)]:
+        pos = np.arange(start, end, dtype=np.int32)
+        md = AttentionMetadata(
+            positions=jnp.asarray(pos),
+            slot_mapping=jnp.asarray(table[0][pos // BLOCK] * BLOCK + pos % BLOCK),
+            query_start_loc=jnp.asarray([0, end - start], jnp.int32),
+            seq_lens=jnp.asarray([end], jnp.int32), block_tables=jnp.asarray(table))
+        out, k_cache, v_cache = _forward(graphdef, backend, state,
+                                         jnp.asarray(token_ids[start:end], jnp.int32), md,
+                                         k_cache, v_cache)
+        logits.append(np.asarray(out))
+        start = end
+    return np.concatenate(logits)
+
+
+def hf_logits(path, token_ids: list[int]) -> np.ndarray:
+    import torch
+    from hf_checkpoints import hf_model
+
+    with torch.no_grad():
+        return hf_model(path)(torch.tensor([token_ids])).logits[0].numpy()
+
+
+CASES = [("llama", False, 2), ("llama", True, 2), ("llama", False, 4), ("llama3.1", False, 2),
+         ("mistral", False, 2), ("qwen2", False, 2), ("qwen2", True, 4), ("qwen3", False, 2),
+         ("qwen3", True, 1)]
+
+
+@pytest.mark.parametrize("kind,tie,kv_heads", CASES)
+def test_logits_match_hf_forward_at_every_position(hf_checkpoint, kind, tie, kv_heads):
+    path = hf_checkpoint(kind, tie=tie, num_kv_heads=kv_heads)
+    ids = np.random.default_rng(1).integers(2, 320, size=70).tolist()
+    ours = forward_logits(path, ids, splits=[])
+    np.testing.assert_allclose(ours, hf_logits(path, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_prompt_split_over_two_calls_reads_the_kv_of_the_first(hf_checkpoint, kind):
+    path = hf_checkpoint(kind)
+    ids = np.random.default_rng(2).integers(2, 320, size=53).tolist()
+    ours = forward_logits(path, ids, splits=[21])  # the split falls inside a block
+    np.testing.assert_allclose(ours, hf_logits(path, ids), atol=1e-4, rtol=0)
+
+
+def test_llama31_rope_scaling_is_exercised(hf_checkpoint):
+    """Positions beyond the scaled wavelengths: a model without llama3 scaling would differ."""
+    path = hf_checkpoint("llama3.1")
+    loaded = load_model(str(path))
+    assert loaded.config.rope_scaling_dict["rope_type"] == "llama3"
+    plain = loaded.config.replace(rope_scaling=None)
+    ids = np.random.default_rng(3).integers(2, 320, size=200).tolist()
+    ref = hf_logits(path, ids)
+    np.testing.assert_allclose(forward_logits(path, ids, splits=[100]), ref, atol=1e-4, rtol=0)
+    model = Llama(plain, loaded.params)
+    assert not np.allclose(np.asarray(model.inv_freq[...]),
+                           np.asarray(Llama(loaded.config, loaded.params).inv_freq[...]))
