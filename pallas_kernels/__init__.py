@@ -1,0 +1,29 @@
+"""Pallas kernels for jaxserve's attention: ragged paged attention for TPU (Mosaic) and GPU
+(Triton), beside the pure-JAX reference and KV write. Importable without jaxserve, and without
+libtpu or a GPU (the kernels only need one to compile, not to import or to run interpreted)."""
+
+from pallas_kernels.ragged_paged_attention_gpu import (
+    ragged_paged_attention as ragged_paged_attention_gpu,
+)
+from pallas_kernels.ragged_paged_attention_tpu import (
+    ragged_paged_attention as ragged_paged_attention_tpu,
+)
+from pallas_kernels.reference import ragged_paged_attention as ragged_paged_attention_reference
+from pallas_kernels.reference import write_kv
+from pallas_kernels.tiling import (
+    default_gpu_tiles,
+    default_tpu_tiles,
+    validate_gpu_tiling,
+    validate_tpu_tiling,
+)
+
+__all__ = [
+    "default_gpu_tiles",
+    "default_tpu_tiles",
+    "ragged_paged_attention_gpu",
+    "ragged_paged_attention_reference",
+    "ragged_paged_attention_tpu",
+    "validate_gpu_tiling",
+    "validate_tpu_tiling",
+    "write_kv",
+]

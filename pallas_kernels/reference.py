@@ -36,7 +36,8 @@ def write_kv(
 def token_request_index(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:
     """i32[T]: the request each query row belongs to (padding rows map to the last request)."""
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    idx = jnp.searchsorted(query_start_loc, rows, side="right").astype(jnp.int32) - 1
+    idx = jnp.searchsorted(query_start_loc, rows, side="right",
+                           method="compare_all").astype(jnp.int32) - 1
     return jnp.clip(idx, 0, query_start_loc.shape[0] - 2)
 
 

@@ -1,0 +1,172 @@
+"""Ragged paged attention for GPUs, through Pallas' Triton lowering.
+
+Grid (query tile, kv head). Query rows are regrouped as [Hkv, T * Gp, D] (Gp: q heads per KV head,
+padded to a power of two for Triton), so one program owns the Gp heads sharing a KV head for
+num_queries_per_block tokens. It walks the (request, kv block) pairs its tokens need (see
+ragged_schedule), gathering each block's pages straight from the stacked cache, which is viewed as
+[L * Hkv * NB, BS, D] so the traced layer index is just an offset.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_triton
+
+from pallas_kernels.ragged_schedule import TileSchedule
+from pallas_kernels.tiling import default_gpu_tiles, next_pow2, validate_gpu_tiling
+
+_MASK_VALUE = -1e30  # as the reference: finite, so a row that sees nothing gives 0, not NaN
+_NT_DIMS = (((1,), (1,)), ((), ()))  # q @ k.T
+
+
+def _kernel(
+    layer_ref,  # i32[1]
+    seq_lens_ref,  # i32[R]
+    tables_ref,  # i32[R * P]
+    qsl_ref,  # i32[R + 1]
+    q_ref,  # [N, D]      N = queries_per_block * Gp
+    k_ref,  # [L * Hkv * NB, BS, D]
+    v_ref,  # [L * Hkv * NB, BS, D]
+    o_ref,  # [N, D]
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    group: int,
+    queries_per_block: int,
+    pages_per_block: int,
+    pages_per_seq: int,
+    num_reqs: int,
+    num_kv_heads: int,
+    num_blocks: int,
+):
+    tile, head = pl.program_id(0), pl.program_id(1)
+    rows, head_dim = q_ref.shape
+    page_size = k_ref.shape[1]
+    block_tokens = pages_per_block * page_size
+    q_lo = tile * queries_per_block
+    sched = TileSchedule(seq_lens_ref, qsl_ref, q_lo, q_lo + queries_per_block, num_reqs,
+                         page_size, pages_per_block, pages_per_seq, sliding_window)
+    page_base = (layer_ref[0] * num_kv_heads + head) * num_blocks
+    q = q_ref[...]
+
+    def body(carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        r, b, m, l, acc = carry
+        page_lo, page_hi = sched.page_range(r)
+        page = b * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
+        needed = (page >= page_lo) & (page < page_hi)
+        row = jnp.clip(r, 0, num_reqs - 1) * pages_per_seq
+        block_ids = tables_ref[row + jnp.minimum(page, pages_per_seq - 1)]
+        # Pages the request does not need read the null block 0 instead of a table entry that may
+        # be stale. V outside the visible KV is zeroed (p = 0 would not cancel a NaN there) and
+        # the scores are masked.
+        block_ids = page_base + jnp.where(needed, block_ids, 0)
+        k = k_ref[block_ids].reshape(block_tokens, head_dim)
+        v = v_ref[block_ids].reshape(block_tokens, head_dim)
+        tok_lo, tok_hi = sched.token_range(r)
+        kv_pos = jax.lax.broadcasted_iota(jnp.int32, v.shape, 0) + b * block_tokens
+        v = jnp.where((kv_pos >= tok_lo) & (kv_pos < tok_hi), v, jnp.zeros_like(v))
+
+        s = jax.lax.dot_general(q, k, _NT_DIMS, preferred_element_type=jnp.float32) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = sched.mask(r, b, s.shape, group)
+        s = jnp.where(mask, s, _MASK_VALUE)
+        m_next = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
+        alpha = jnp.exp(m - m_next)
+        l = alpha * l + jnp.sum(p, axis=1)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + pv
+        r_next, b_next = sched.next(r, b, r_end)
+        return r_next, b_next, m_next, l, acc
+
+    r_first, r_end = sched.request_bounds()
+    r0 = sched.first_busy(r_first, r_end)
+    b0, _ = sched.block_range(r0)
+    init = (r0, b0, jnp.full((rows,), _MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    _, _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < r_end, body, init)
+    safe_l = jnp.where(l > 0, l, 1.0)
+    out = jnp.where(l[:, None] > 0, acc / safe_l[:, None], 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,  # [L, Hkv, NB, BS, D]
+    v_cache: jax.Array,  # [L, Hkv, NB, BS, D]
+    layer: jax.Array,  # i32[]
+    seq_lens: jax.Array,  # i32[R]
+    block_tables: jax.Array,  # i32[R, P]
+    query_start_loc: jax.Array,  # i32[R + 1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+    validate: bool = True,
+) -> jax.Array:  # [T, Hq, D]
+    """Same contract as reference.ragged_paged_attention."""
+    T, Hq, D = q.shape
+    L, Hkv, NB, BS, Dk = k_cache.shape
+    R, P = block_tables.shape
+    if Dk != D or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache/v_cache shapes {k_cache.shape}/{v_cache.shape} do not match "
+                         f"q head_dim {D}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    if Hq % Hkv:
+        raise ValueError(f"num_q_heads={Hq} must be a multiple of num_kv_heads={Hkv}")
+    G = Hq // Hkv
+    Gp = next_pow2(G)
+    pages, queries = default_gpu_tiles(group=G, block_size=BS, num_tokens=T)
+    pages = num_kv_pages_per_block or pages
+    queries = num_queries_per_block or queries
+    if validate:
+        validate_gpu_tiling(num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, block_size=BS,
+                            num_kv_pages_per_block=pages, num_queries_per_block=queries)
+    num_tiles = -(-T // queries)
+    Tp = num_tiles * queries
+    rows = queries * Gp
+    qg = q.reshape(T, Hkv, G, D).transpose(1, 0, 2, 3)
+    qg = jnp.pad(qg, ((0, 0), (0, Tp - T), (0, Gp - G), (0, 0))).reshape(Hkv, Tp * Gp, D)
+
+    kernel = functools.partial(
+        _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap), group=Gp,
+        queries_per_block=queries, pages_per_block=pages, pages_per_seq=P, num_reqs=R,
+        num_kv_heads=Hkv, num_blocks=NB)
+    tile_spec = pl.BlockSpec((None, rows, D), lambda t, h: (h, t, 0))
+    whole = pl.no_block_spec
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, Hkv),
+        in_specs=[whole, whole, whole, whole, tile_spec, whole, whole],
+        out_specs=tile_spec,
+        out_shape=jax.ShapeDtypeStruct((Hkv, Tp * Gp, D), q.dtype),
+        compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        seq_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32).reshape(-1),
+        query_start_loc.astype(jnp.int32),
+        qg,
+        k_cache.reshape(L * Hkv * NB, BS, D),
+        v_cache.reshape(L * Hkv * NB, BS, D),
+    )
+    out = out.reshape(Hkv, Tp, Gp, D)[:, :T, :G].transpose(1, 0, 2, 3)
+    return out.reshape(T, Hq, D)

@@ -1,0 +1,145 @@
+"""Tile sizes for the ragged paged-attention kernels: defaults, and start-up checks against the
+hardware's limits. Every check raises ValueError naming the parameter and its value."""
+
+from __future__ import annotations
+
+import numpy as np
+
+TPU_SMEM_BYTES = 1 << 20  # scalar memory holds the block table, lengths and query_start_loc
+TPU_SMEM_RESERVED_BYTES = 16 << 10  # left for Mosaic's own scalars
+TPU_DEFAULT_VMEM_LIMIT_BYTES = 16 << 20  # the smallest default scoped VMEM (v5e)
+TPU_LANES = 128
+TPU_SUBLANES = 8
+GPU_MIN_DOT_DIM = 16  # Triton's tl.dot needs every dimension >= 16
+GPU_MAX_HEAD_DIM = 256
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def tpu_sublanes(dtype: np.dtype | str) -> int:
+    """Rows per native TPU tile of this dtype: 8 for 32-bit, 16 for bf16, 32 for 8-bit."""
+    return 8 * max(1, 4 // np.dtype(dtype).itemsize)
+
+
+def _check_positive(**values: int | None) -> None:
+    for name, value in values.items():
+        if value is None or int(value) != value or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_heads(num_q_heads: int, num_kv_heads: int) -> int:
+    _check_positive(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    return num_q_heads // num_kv_heads
+
+
+def default_tpu_tiles(*, group: int, block_size: int, num_tokens: int,
+                      q_dtype: np.dtype | str) -> tuple[int, int]:
+    """(num_kv_pages_per_block, num_queries_per_block): ~256 KV tokens per block and query tiles
+    of at most 16 tokens (fewer when the whole batch is smaller), both aligned to TPU tiles."""
+    lane_pages = TPU_LANES // np.gcd(block_size, TPU_LANES)  # fewest pages filling whole lanes
+    pages = lane_pages * max(1, 256 // (lane_pages * block_size))
+    sub = tpu_sublanes(q_dtype)
+    align = sub // np.gcd(group, sub)  # fewest tokens whose rows (tokens x group) fill whole tiles
+    queries = -(-min(16, num_tokens) // align) * align
+    return int(pages), int(queries)
+
+
+def tpu_smem_bytes(max_num_seqs: int, pages_per_seq: int) -> int:
+    """Scalar-prefetch bytes: block table + seq_lens + query_start_loc + layer, all int32."""
+    return 4 * (max_num_seqs * pages_per_seq + 2 * max_num_seqs + 2)
+
+
+def tpu_vmem_bytes(*, group: int, head_dim: int, block_size: int, kv_itemsize: int,
+                   q_itemsize: int, num_kv_pages_per_block: int, num_queries_per_block: int) -> int:
+    """VMEM a kernel instance needs: double-buffered K and V blocks, pipelined q/out tiles, the f32
+    accumulator and softmax stats, and the f32 score temporaries."""
+    lanes = -(-head_dim // TPU_LANES) * TPU_LANES
+    rows = num_queries_per_block * group
+    kv_tokens = num_kv_pages_per_block * block_size
+    kv_bufs = 2 * 2 * kv_tokens * lanes * kv_itemsize
+    q_out = 2 * 2 * rows * lanes * q_itemsize
+    scratch = rows * lanes * 4 + 2 * rows * TPU_LANES * 4
+    scores = 3 * rows * kv_tokens * 4
+    return kv_bufs + q_out + scratch + scores
+
+
+def validate_tpu_tiling(*, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        max_num_seqs: int, pages_per_seq: int, num_kv_pages_per_block: int,
+                        num_queries_per_block: int, q_dtype: np.dtype | str = "float32",
+                        kv_dtype: np.dtype | str = "float32",
+                        vmem_limit_bytes: int | None = None) -> None:
+    """Checks a TPU (Mosaic) kernel configuration; raises ValueError naming the bad parameter."""
+    group = _check_heads(num_q_heads, num_kv_heads)
+    _check_positive(head_dim=head_dim, block_size=block_size, max_num_seqs=max_num_seqs,
+                    pages_per_seq=pages_per_seq, num_kv_pages_per_block=num_kv_pages_per_block,
+                    num_queries_per_block=num_queries_per_block)
+    kv_sub = tpu_sublanes(kv_dtype)
+    if block_size % kv_sub:
+        raise ValueError(f"block_size={block_size} must be a multiple of {kv_sub} on TPU for "
+                         f"{np.dtype(kv_dtype).name} KV pages, so each page fills whole VMEM tiles")
+    rows = num_queries_per_block * group
+    if rows % TPU_SUBLANES:
+        raise ValueError(
+            f"num_queries_per_block={num_queries_per_block} x {group} q heads per KV head = {rows} "
+            f"query rows per tile must be a multiple of {TPU_SUBLANES} (TPU (8, 128) block rule)")
+    smem = tpu_smem_bytes(max_num_seqs, pages_per_seq)
+    if smem > TPU_SMEM_BYTES - TPU_SMEM_RESERVED_BYTES:
+        raise ValueError(
+            f"block table of max_num_seqs={max_num_seqs} x pages_per_seq={pages_per_seq} needs "
+            f"{smem} bytes of TPU scalar memory (limit ~{TPU_SMEM_BYTES - TPU_SMEM_RESERVED_BYTES}"
+            "); lower max_num_seqs or max_model_len, or raise block_size")
+    limit = TPU_DEFAULT_VMEM_LIMIT_BYTES if vmem_limit_bytes is None else vmem_limit_bytes
+    vmem = tpu_vmem_bytes(group=group, head_dim=head_dim, block_size=block_size,
+                          kv_itemsize=np.dtype(kv_dtype).itemsize,
+                          q_itemsize=np.dtype(q_dtype).itemsize,
+                          num_kv_pages_per_block=num_kv_pages_per_block,
+                          num_queries_per_block=num_queries_per_block)
+    if vmem > limit:
+        raise ValueError(f"num_kv_pages_per_block={num_kv_pages_per_block} and "
+                         f"num_queries_per_block={num_queries_per_block} need ~{vmem} bytes of "
+                         f"VMEM, over vmem_limit_bytes={limit}")
+
+
+def default_gpu_tiles(*, group: int, block_size: int, num_tokens: int) -> tuple[int, int]:
+    """(num_kv_pages_per_block, num_queries_per_block) for the Triton kernel: 64 KV tokens per
+    step, and query tiles whose rows (tokens x padded group) are a power of two >= 16."""
+    pages = max(1, 64 // block_size)
+    min_queries = max(1, GPU_MIN_DOT_DIM // next_pow2(group))
+    queries = max(min_queries, min(next_pow2(num_tokens), 16 if group <= 4 else min_queries))
+    return pages, queries
+
+
+def validate_gpu_tiling(*, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        num_kv_pages_per_block: int, num_queries_per_block: int) -> None:
+    """Checks a GPU (Triton) kernel configuration; raises ValueError naming the bad parameter."""
+    group = _check_heads(num_q_heads, num_kv_heads)
+    _check_positive(head_dim=head_dim, block_size=block_size,
+                    num_kv_pages_per_block=num_kv_pages_per_block,
+                    num_queries_per_block=num_queries_per_block)
+    if not _is_pow2(head_dim) or not GPU_MIN_DOT_DIM <= head_dim <= GPU_MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={head_dim} must be a power of two in "
+                         f"[{GPU_MIN_DOT_DIM}, {GPU_MAX_HEAD_DIM}] for the Triton kernel")
+    for name, value in (("block_size", block_size),
+                        ("num_kv_pages_per_block", num_kv_pages_per_block),
+                        ("num_queries_per_block", num_queries_per_block)):
+        if not _is_pow2(value):
+            raise ValueError(f"{name}={value} must be a power of two for the Triton kernel")
+    kv_tokens = num_kv_pages_per_block * block_size
+    if kv_tokens < GPU_MIN_DOT_DIM:
+        raise ValueError(
+            f"num_kv_pages_per_block={num_kv_pages_per_block} x block_size={block_size} = "
+            f"{kv_tokens} KV tokens per step must be >= {GPU_MIN_DOT_DIM} (Triton dot)")
+    rows = num_queries_per_block * next_pow2(group)
+    if rows < GPU_MIN_DOT_DIM:
+        raise ValueError(
+            f"num_queries_per_block={num_queries_per_block} x {next_pow2(group)} q heads per KV "
+            f"head (padded) = {rows} rows must be >= {GPU_MIN_DOT_DIM} (Triton dot)")
