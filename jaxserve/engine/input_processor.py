@@ -20,16 +20,19 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 block_size: int, root_hash: bytes, seed: int):
+                 block_size: int, root_hash: bytes, seed: int, max_logprobs: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.root_hash = root_hash
+        self.max_logprobs = max_logprobs
         self.rng = np.random.default_rng(seed)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
             return prompt, self.tokenizer.encode(prompt)
@@ -66,6 +69,13 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs must be <= max_logprobs ({self.max_logprobs}), "
+                             f"got {params.logprobs}")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         text, token_ids = self.tokenize(prompt)
         self.validate_token_ids(token_ids)
         room = self.max_model_len - len(token_ids)

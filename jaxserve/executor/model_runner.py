@@ -22,7 +22,8 @@ from jaxserve.config import EngineConfig, power_of_two_buckets
 from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.executor.input_batch import InputBatch, StepArrays
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
-from jaxserve.layers.sampler import SamplerOutput, SamplingMetadata, make_sampling_metadata, sample
+from jaxserve.layers.sampler import (RowSpec, SamplerOutput, SamplingMetadata,
+                                     make_sampling_metadata, sample)
 from jaxserve.models.llama import Llama
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class UnexpectedCompilationError(RuntimeError):
     pass
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
 def _step(graphdef: nnx.GraphDef, backend: AttentionBackend, state: nnx.State,
           k_cache: jax.Array, v_cache: jax.Array, input_ids: jax.Array, md: AttentionMetadata,
           logits_indices: jax.Array, sampling: SamplingMetadata,
@@ -63,8 +65,10 @@ class ModelRunner:
         if self.request_buckets[-1] < sched.max_num_seqs:
             raise ValueError(f"request_buckets must reach max_num_seqs ({sched.max_num_seqs}), "
                              f"got {self.request_buckets}")
-        graphdef, self.params = nnx.split(model)
-        self._step = jax.jit(functools.partial(_step, graphdef, backend), donate_argnums=(1, 2))
+        # One module-level jit: engines with the same model structure and step shapes share
+        # compiled executables within a process.
+        self.graphdef, self.params = nnx.split(model)
+        self.backend = backend
         self.compiled_shapes: set[tuple[Any, ...]] = set()
         self.num_compilations = 0
         self.warmed_up = False
@@ -76,16 +80,19 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets)
+        rows = self.batch.rows(arrays.req_ids)
+        # One logprobs width (max_logprobs) for every step that wants any: one compiled shape.
+        wants_logprobs = any(row.params.logprobs is not None for row in rows)
         sampling = make_sampling_metadata(
-            self.batch.rows(arrays.req_ids), len(arrays.seq_lens),
-            eos_token_ids=self.eos_token_ids, num_logprobs=None)
+            rows, len(arrays.seq_lens), eos_token_ids=self.eos_token_ids,
+            num_logprobs=self.config.model.max_logprobs if wants_logprobs else 0)
         out = self._run(arrays, sampling)
         num_reqs = len(arrays.req_ids)
         sampled = np.asarray(out.sampled)[:num_reqs]  # the one device -> host wait of the step
         self.batch.append_sampled(arrays, sampled)
         self.num_steps += 1
         return ModelRunnerOutput(arrays.req_ids, sampled.tolist(),
-                                 self._logprobs(out, num_reqs) if sampling.num_logprobs else None)
+                                 self._logprobs(out, rows) if sampling.num_logprobs else None)
 
     def _run(self, arrays: StepArrays, sampling: SamplingMetadata) -> SamplerOutput:
         key = (len(arrays.input_ids), len(arrays.seq_lens), sampling.output_token_ids.shape[1],
@@ -99,18 +106,21 @@ class ModelRunner:
         md = AttentionMetadata(positions=arrays.positions, slot_mapping=arrays.slot_mapping,
                                query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
                                block_tables=arrays.block_tables)
-        self.k_cache, self.v_cache, out = self._step(
-            self.params, self.k_cache, self.v_cache, arrays.input_ids, md,
+        self.k_cache, self.v_cache, out = _step(
+            self.graphdef, self.backend, self.params, self.k_cache, self.v_cache, arrays.input_ids, md,
             arrays.logits_indices, sampling)
         return out
 
     @staticmethod
-    def _logprobs(out: SamplerOutput, n: int) -> list[Logprobs | None]:
+    def _logprobs(out: SamplerOutput, rows: list[RowSpec]) -> list[Logprobs | None]:
+        n = len(rows)
         sampled, lp = np.asarray(out.sampled)[:n], np.asarray(out.logprob)[:n]
         ids, lps = np.asarray(out.topk_ids)[:n], np.asarray(out.topk_logprobs)[:n]
-        return [Logprobs(int(sampled[i]), float(lp[i]), list(zip(ids[i].tolist(),
-                                                                 lps[i].tolist())))
-                for i in range(n)]
+        return [None if row.params.logprobs is None else Logprobs(
+                    int(sampled[i]), float(lp[i]),
+                    list(zip(ids[i, :row.params.logprobs].tolist(),
+                             lps[i, :row.params.logprobs].tolist())))
+                for i, row in enumerate(rows)]
 
     # ---- warm-up -------------------------------------------------------------------------
     def warm_up(self) -> float:
@@ -126,7 +136,8 @@ class ModelRunner:
                         block_tables=np.zeros((R, self.max_blocks_per_seq), np.int32),
                         logits_indices=np.zeros(R, np.int32),
                         completes_sequence=np.zeros(0, bool))
-                    sampling = make_sampling_metadata([], R, eos_token_ids=self.eos_token_ids)
+                    sampling = make_sampling_metadata([], R, eos_token_ids=self.eos_token_ids,
+                                                      num_logprobs=0)
                     if not greedy:
                         sampling = dataclasses.replace(sampling, all_greedy=False)
                     jax.block_until_ready(self._run(arrays, sampling))

@@ -7,13 +7,14 @@ import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.executor.model_runner import ModelRunner, dtype_of
-from jaxserve.layers.attention import get_attention_backend
+from jaxserve.layers.attention import get_attention_backend, validate_backend
 from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
 from jaxserve.models.loader import LoadedModel, load_model
 
@@ -45,7 +46,16 @@ class Worker:
                                          config.cache.block_size, self.dtype)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         k_cache, v_cache = jax.device_put((k_cache, v_cache), replicated)
-        backend = get_attention_backend(config.runner.attention_backend)
+        platform = jax.default_backend()
+        backend = get_attention_backend(config.runner.attention_backend, platform)
+        cfg = self.model_config
+        validate_backend(backend, platform=platform, num_q_heads=cfg.num_heads,
+                         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         block_size=config.cache.block_size,
+                         max_num_seqs=config.scheduler.max_num_seqs,
+                         pages_per_seq=-(-self.max_model_len // config.cache.block_size),
+                         max_num_tokens=config.scheduler.max_num_batched_tokens,
+                         dtype=jnp.dtype(self.dtype).name)
         self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend,
                                   self.max_model_len, self.model_config.eos_token_ids)
 

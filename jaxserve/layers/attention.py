@@ -48,14 +48,52 @@ class AttentionBackend:
                            md.query_start_loc, **kwargs)
 
 
+@functools.cache
+def _pallas_kernel(kind: str, interpret: bool) -> AttendFn:
+    # Cached so equal backends are one object: the jitted step's cache is keyed on it.
+    from pallas_kernels import ragged_paged_attention_gpu, ragged_paged_attention_tpu
+
+    kernel = ragged_paged_attention_tpu if kind == "tpu" else ragged_paged_attention_gpu
+    return functools.partial(kernel, interpret=interpret)
+
+
 def get_attention_backend(name: str, platform: str | None = None) -> AttentionBackend:
+    """`auto` is the Pallas kernel on TPU and GPU and `xla` on CPU; `pallas_interpret` runs the
+    TPU kernel's program in Pallas interpret mode (any platform, for tests)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     platform = platform or jax.default_backend()
     if name == "auto":
-        name = "pallas" if platform in ("tpu", "gpu", "cuda") else "xla"
+        name = "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"
     if name == "xla":
         return AttentionBackend("xla", reference.ragged_paged_attention)
-    from pallas_kernels import pallas_attention_for_platform  # noqa: PLC0415 (kernels are optional)
-    interpret = name == "pallas_interpret"
-    return AttentionBackend(name, pallas_attention_for_platform(platform, interpret=interpret))
+    if name == "pallas" and platform not in ("tpu", "gpu", "cuda", "rocm"):
+        raise ValueError(f"attention_backend 'pallas' needs a TPU or GPU, this is {platform!r}; "
+                         "use 'pallas_interpret' or 'xla'")
+    kind = "tpu" if name == "pallas_interpret" or platform == "tpu" else "gpu"
+    return AttentionBackend(name, _pallas_kernel(kind, name == "pallas_interpret"))
+
+
+def validate_backend(backend: AttentionBackend, *, platform: str, num_q_heads: int,
+                     num_kv_heads: int, head_dim: int, block_size: int, max_num_seqs: int,
+                     pages_per_seq: int, max_num_tokens: int, dtype: str) -> None:
+    """Check block size and kernel tiles against the hardware at start-up (ValueError)."""
+    if backend.name != "pallas":
+        return
+    import pallas_kernels as pk
+
+    group = num_q_heads // num_kv_heads
+    if platform == "tpu":
+        pages, queries = pk.default_tpu_tiles(group=group, block_size=block_size,
+                                              num_tokens=max_num_tokens, q_dtype=dtype)
+        pk.validate_tpu_tiling(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, block_size=block_size,
+                               max_num_seqs=max_num_seqs, pages_per_seq=pages_per_seq,
+                               num_kv_pages_per_block=pages, num_queries_per_block=queries,
+                               q_dtype=dtype, kv_dtype=dtype)
+    else:
+        pages, queries = pk.default_gpu_tiles(group=group, block_size=block_size,
+                                              num_tokens=max_num_tokens)
+        pk.validate_gpu_tiling(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, block_size=block_size,
+                               num_kv_pages_per_block=pages, num_queries_per_block=queries)

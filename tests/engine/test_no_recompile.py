@@ -1,0 +1,56 @@
+"""After warm-up, a long run of random requests compiles nothing (counted by JAX itself)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.executor.model_runner import UnexpectedCompilationError
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@pytest.fixture
+def backend_compiles():
+    """Counts every XLA backend compilation in the process while the test runs."""
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: object) -> None:
+        if event == COMPILE_EVENT:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield events
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_200_random_requests_trigger_no_compilation_after_warm_up(hf_checkpoint,
+                                                                  backend_compiles):
+    llm = LLM(str(hf_checkpoint("llama")), max_model_len=128, num_kv_blocks=96,
+              max_num_seqs=16, max_num_batched_tokens=64, token_buckets=[16, 64],
+              request_buckets=[4, 16], long_prefill_token_threshold=32, precompile=True,
+              strict_compile=True, compilation_cache_dir="")
+    warm = llm.stats().num_compilations
+    assert warm == 2 * 4  # every (tokens, requests) pair, greedy and sampled
+    compiles_at_warm_up = len(backend_compiles)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(2, 320, int(rng.integers(1, 100))).tolist()}
+               for _ in range(200)]
+    params = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_p=0.9,
+                             max_tokens=int(rng.integers(1, 24)), ignore_eos=True, seed=i)
+              for i in range(200)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(outs) == 200 and all(o.finished for o in outs)
+    assert llm.stats().num_compilations == warm
+    assert len(backend_compiles) == compiles_at_warm_up
+
+
+def test_strict_mode_raises_on_a_shape_missed_at_warm_up(hf_checkpoint):
+    llm = LLM(str(hf_checkpoint("llama")), max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
+              max_num_batched_tokens=32, token_buckets=[32], request_buckets=[4],
+              precompile=True, strict_compile=True, compilation_cache_dir="")
+    with pytest.raises(UnexpectedCompilationError, match="not compiled at warm-up"):
+        llm.generate({"prompt_token_ids": [3, 4, 5]},  # logprobs: a shape warm-up skips
+                     SamplingParams(max_tokens=2, logprobs=2))
