@@ -37,6 +37,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
+    # False: V0-style steps of prefills only or decodes only (for comparison; V1 mixes them)
+    enable_mixed_batching: bool = True
 
 
 @dataclass

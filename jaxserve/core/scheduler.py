@@ -50,6 +50,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_steps = 0
+        self._prefill_only = False
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -86,6 +87,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        self._prefill_only = self._prefill_only_step()
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
@@ -118,7 +120,7 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if not preempted:
+        if not preempted and (self.config.enable_mixed_batching or self._prefill_only):
             budget = self._admit_waiting(budget, num_scheduled, new_reqs)
 
         for request in self.running:  # tokens count as computed from now on
@@ -173,7 +175,15 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return budget
 
+    def _prefill_only_step(self) -> bool:
+        """Without mixed batching, a step serves prefills whenever any are pending (V0)."""
+        return (not self.config.enable_mixed_batching
+                and (bool(self.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
+                                               for r in self.running)))
+
     def _num_new_tokens(self, request: Request, budget: int) -> int:
+        if self._prefill_only and request.num_computed_tokens >= request.num_prompt_tokens:
+            return 0  # a decode, held back while prefills run
         num_new = request.num_tokens - request.num_computed_tokens
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 
@@ -59,6 +60,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# Other subcommands live beside their job and register themselves: module -> `register(sub)`.
+SUBCOMMAND_MODULES = ("jaxserve.entrypoints.serve_cli", "jaxserve.entrypoints.run_cli")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst")
     conv.add_argument("--load-format", default="auto")
     conv.set_defaults(func=cmd_convert)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(sub)
     return parser
 
 

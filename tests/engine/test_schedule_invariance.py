@@ -34,6 +34,7 @@ SETTINGS = {
     "one_seq_at_a_time": {"max_num_seqs": 1},
     "max_num_seqs_64": {"max_num_seqs": 64, "request_buckets": [4, 16, 64]},
     "no_chunked_prefill": {"enable_chunked_prefill": False, "max_num_batched_tokens": 96},
+    "v0_style_no_mixed_batching": {"enable_mixed_batching": False},
     "tiny_pool_preempts": {"num_kv_blocks": 14},
     "priority_policy_tiny_pool": {"num_kv_blocks": 14, "scheduling_policy": "priority"},
 }
