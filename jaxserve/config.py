@@ -55,6 +55,11 @@ class RunnerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size_local: int = 1
+    # Multi-host (jax.distributed): every process runs the same engine on the same requests.
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    distributed_timeout_s: int = 120
 
 
 @dataclass

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+# Eight CPU devices for the tensor/data-parallel tests; must be set before jax is imported.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STORIES_CANDIDATES = (Path("/work/shared/models/stories260K"),
@@ -50,3 +56,9 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def compile_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One persistent XLA cache for the session: engines with equal shapes reuse compilations."""
+    return str(tmp_path_factory.mktemp("xla_cache"))

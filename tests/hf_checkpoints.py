@@ -30,12 +30,13 @@ CHAT_TEMPLATE = (
 _MODEL_CACHE: dict[str, Any] = {}
 
 
-def _hf_config(kind: str, *, tie: bool, num_kv_heads: int, vocab_size: int) -> Any:
+def _hf_config(kind: str, *, tie: bool, num_kv_heads: int, vocab_size: int,
+               num_heads: int = 4) -> Any:
     import transformers
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=num_kv_heads, tie_word_embeddings=tie,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, tie_word_embeddings=tie,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, rms_norm_eps=1e-6,
     )
     if kind == "llama":
@@ -89,9 +90,11 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 320) -> None:
 
 def build_hf_checkpoint(tmp_dir: Path, kind: str, *, tie: bool = False,
                         num_kv_heads: int | None = None, seed: int = 0, vocab_size: int = 320,
-                        dtype: str = "float32", max_shard_size: str | None = None) -> Path:
+                        dtype: str = "float32", max_shard_size: str | None = None,
+                        num_heads: int = 4) -> Path:
     """Write a tiny random checkpoint of `kind` (hidden 64, 2 layers, 4 heads, head_dim 16;
-    qwen3: head_dim 32) with 2 KV heads by default (GQA; pass 4 for MHA) into a new directory
+    qwen3: head_dim 32; `num_heads` 8 gives head_dim 8) with 2 KV heads by default (GQA; pass
+    num_heads for MHA) into a new directory
     under `tmp_dir` and return it. `max_shard_size` (e.g. "40KB") writes a sharded checkpoint
     with `model.safetensors.index.json`."""
     import torch
@@ -100,8 +103,10 @@ def build_hf_checkpoint(tmp_dir: Path, kind: str, *, tie: bool = False,
     transformers.utils.logging.disable_progress_bar()
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    config = _hf_config(kind, tie=tie, num_kv_heads=num_kv_heads or 2, vocab_size=vocab_size)
-    name = (f"{kind}-{'tied' if tie else 'untied'}-kv{config.num_key_value_heads}-s{seed}"
+    config = _hf_config(kind, tie=tie, num_kv_heads=num_kv_heads or 2, vocab_size=vocab_size,
+                        num_heads=num_heads)
+    name = (f"{kind}-{'tied' if tie else 'untied'}-h{num_heads}-kv{config.num_key_value_heads}"
+            f"-s{seed}"
             f"-v{vocab_size}-{dtype}" + (f"-shard{max_shard_size}" if max_shard_size else ""))
     out_dir = Path(tmp_dir) / name
     torch.manual_seed(seed)

@@ -58,10 +58,11 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request's full blocks; takes no references."""
+    def find_cached_prefix(self, request: Request) -> list[KVCacheBlock]:
+        """The cached blocks of the request's longest cached prefix (no references, no stats):
+        also what data-parallel routing compares across ranks."""
         if not self.enable_caching:
-            return [], 0
+            return []
         self._check_request(request)
         # At least one token must be computed so the step produces logits for this request.
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -71,6 +72,13 @@ class KVCacheManager:
             if block is None:
                 break  # the chain makes every later block a miss too
             hits.append(block)
+        return hits
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request's full blocks; takes no references."""
+        if not self.enable_caching:
+            return [], 0
+        hits = self.find_cached_prefix(request)
         num_hit_tokens = len(hits) * self.block_size
         if request.num_preemptions == 0:
             self.total_stats.record(request.num_tokens, num_hit_tokens)

@@ -1,4 +1,5 @@
-"""EngineCore: schedule -> execute -> update, one step at a time."""
+"""EngineCore: schedule -> execute -> update, one step at a time, for every data-parallel rank
+(one scheduler and one share of the KV pool per rank; requests routed by prefix hit, then load)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import EngineCoreOutput
-from jaxserve.executor.executor import UniProcExecutor
+from jaxserve.distributed.dp_router import DPRouter
+from jaxserve.executor.executor import Executor
 from jaxserve.models.loader import LoadedModel
 from jaxserve.request import Request, RequestStatus
 
@@ -16,8 +18,8 @@ from jaxserve.request import Request, RequestStatus
 class EngineStats:
     num_running: int
     num_waiting: int
-    kv_cache_usage: float
-    num_kv_blocks: int
+    kv_cache_usage: float  # mean over ranks
+    num_kv_blocks: int  # per rank
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
@@ -33,35 +35,64 @@ class EngineStats:
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        self.executor = UniProcExecutor(config, loaded)
+        self.executor = Executor(config, loaded)
         worker = self.executor.worker
         self.model_config = worker.model_config
         self.max_model_len = worker.max_model_len
         hash_seed = config.cache.prefix_caching_hash_seed
-        self.scheduler = Scheduler(config.scheduler, config.cache, worker.num_blocks,
-                                   worker.max_model_len, self.model_config.eos_token_ids,
-                                   hash_seed=config.model.seed if hash_seed is None else hash_seed)
+        self.schedulers = [
+            Scheduler(config.scheduler, config.cache, w.num_blocks, w.max_model_len,
+                      self.model_config.eos_token_ids,
+                      hash_seed=config.model.seed if hash_seed is None else hash_seed)
+            for w in self.executor.workers]
+        self.router = DPRouter(self.schedulers)
+        self.num_steps = 0
         self.warm_up_seconds = self.executor.warm_up() if config.runner.precompile else 0.0
 
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.schedulers[0]
+
+    @property
+    def root_hash(self) -> bytes:
+        return self.schedulers[0].kv.root_hash  # equal on every rank: one hash seed
+
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        self.schedulers[self.router.route(request)].add_request(request)
 
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        self.scheduler.finish_requests(request_ids, status)
+        for req_id in request_ids:
+            rank = self.router.rank_of(req_id)
+            if rank is not None:
+                self.schedulers[rank].finish_requests([req_id], status)
+                self.router.forget(req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return any(s.has_unfinished_requests() for s in self.schedulers)
 
     def step(self) -> list[EngineCoreOutput]:
-        sched = self.scheduler.schedule()
-        result = self.executor.execute_model(sched)
-        return self.scheduler.update_from_output(sched, result)
+        scheds = [s.schedule() for s in self.schedulers]
+        results = self.executor.execute_model(scheds)
+        outputs: list[EngineCoreOutput] = []
+        for scheduler, sched, result in zip(self.schedulers, scheds, results):
+            for out in scheduler.update_from_output(sched, result):
+                if out.finish_reason is not None:
+                    self.router.forget(out.request_id)
+                outputs.append(out)
+        self.num_steps += 1
+        return outputs
 
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats()
-        runner = self.executor.worker.runner
-        return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage,
-                           self.executor.num_kv_blocks, s.prefix_cache_queries,
-                           s.prefix_cache_hits, s.num_preemptions, s.num_steps,
-                           runner.num_compilations, self.warm_up_seconds)
+        per_rank = [s.stats() for s in self.schedulers]
+        return EngineStats(
+            num_running=sum(s.num_running for s in per_rank),
+            num_waiting=sum(s.num_waiting for s in per_rank),
+            kv_cache_usage=sum(s.kv_cache_usage for s in per_rank) / len(per_rank),
+            num_kv_blocks=self.executor.worker.num_blocks,
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in per_rank),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in per_rank),
+            num_preemptions=sum(s.num_preemptions for s in per_rank),
+            num_steps=self.num_steps,
+            num_compilations=sum(w.runner.num_compilations for w in self.executor.workers),
+            warm_up_seconds=self.warm_up_seconds)

@@ -11,15 +11,17 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.config import EngineConfig, power_of_two_buckets
 from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from jaxserve.distributed.mesh import replicate, to_host
 from jaxserve.executor.input_batch import InputBatch, StepArrays
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.layers.sampler import (RowSpec, SamplerOutput, SamplingMetadata,
@@ -33,21 +35,33 @@ class UnexpectedCompilationError(RuntimeError):
     pass
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
-def _step(graphdef: nnx.GraphDef, backend: AttentionBackend, state: nnx.State,
-          k_cache: jax.Array, v_cache: jax.Array, input_ids: jax.Array, md: AttentionMetadata,
-          logits_indices: jax.Array, sampling: SamplingMetadata,
+class PendingStep(NamedTuple):
+    arrays: StepArrays
+    rows: list[RowSpec]
+    out: SamplerOutput  # device arrays, possibly still being computed
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
+def _step(graphdef: nnx.GraphDef, backend: AttentionBackend, kv_sharding: NamedSharding,
+          state: nnx.State, k_cache: jax.Array, v_cache: jax.Array, input_ids: jax.Array,
+          md: AttentionMetadata, logits_indices: jax.Array, sampling: SamplingMetadata,
           ) -> tuple[jax.Array, jax.Array, SamplerOutput]:
     model = nnx.merge(graphdef, state)
     hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, backend)
     logits = model.compute_logits(hidden[logits_indices])
+    # Pin the cache's layout so the donated buffers come back exactly as they went in.
+    k_cache = jax.lax.with_sharding_constraint(k_cache, kv_sharding)
+    v_cache = jax.lax.with_sharding_constraint(v_cache, kv_sharding)
     return k_cache, v_cache, sample(logits, sampling)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Llama, k_cache: jax.Array, v_cache: jax.Array,
-                 backend: AttentionBackend, max_model_len: int, eos_token_ids: tuple[int, ...]):
+                 backend: AttentionBackend, mesh: Mesh, max_model_len: int,
+                 eos_token_ids: tuple[int, ...]):
         self.config = config
+        self.mesh = mesh
+        self.kv_sharding = k_cache.sharding
         self.model = model
         self.k_cache, self.v_cache = k_cache, v_cache
         self.eos_token_ids = eos_token_ids
@@ -76,9 +90,14 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect(self.dispatch(sched))
+
+    def dispatch(self, sched: SchedulerOutput) -> PendingStep | None:
+        """Prepare and launch the step without waiting for the device (JAX dispatches
+        asynchronously), so several data-parallel ranks can run at once."""
         self.batch.update(sched)
         if sched.is_empty:
-            return ModelRunnerOutput([], [])
+            return None
         arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets)
         rows = self.batch.rows(arrays.req_ids)
         # One logprobs width (max_logprobs) for every step that wants any: one compiled shape.
@@ -86,13 +105,18 @@ class ModelRunner:
         sampling = make_sampling_metadata(
             rows, len(arrays.seq_lens), eos_token_ids=self.eos_token_ids,
             num_logprobs=self.config.model.max_logprobs if wants_logprobs else 0)
-        out = self._run(arrays, sampling)
-        num_reqs = len(arrays.req_ids)
-        sampled = np.asarray(out.sampled)[:num_reqs]  # the one device -> host wait of the step
+        return PendingStep(arrays, rows, self._run(arrays, sampling))
+
+    def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
+        if pending is None:
+            return ModelRunnerOutput([], [])
+        arrays, rows, out = pending
+        sampled = to_host(out.sampled)[:len(rows)]  # the one device -> host wait of the step
         self.batch.append_sampled(arrays, sampled)
         self.num_steps += 1
+        wants_logprobs = out.topk_ids.shape[1] > 0
         return ModelRunnerOutput(arrays.req_ids, sampled.tolist(),
-                                 self._logprobs(out, rows) if sampling.num_logprobs else None)
+                                 self._logprobs(out, rows) if wants_logprobs else None)
 
     def _run(self, arrays: StepArrays, sampling: SamplingMetadata) -> SamplerOutput:
         key = (len(arrays.input_ids), len(arrays.seq_lens), sampling.output_token_ids.shape[1],
@@ -106,16 +130,18 @@ class ModelRunner:
         md = AttentionMetadata(positions=arrays.positions, slot_mapping=arrays.slot_mapping,
                                query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
                                block_tables=arrays.block_tables)
+        input_ids, md, logits_indices, sampling = replicate(
+            (arrays.input_ids, md, arrays.logits_indices, sampling), self.mesh)
         self.k_cache, self.v_cache, out = _step(
-            self.graphdef, self.backend, self.params, self.k_cache, self.v_cache, arrays.input_ids, md,
-            arrays.logits_indices, sampling)
+            self.graphdef, self.backend, self.kv_sharding, self.params, self.k_cache,
+            self.v_cache, input_ids, md, logits_indices, sampling)
         return out
 
     @staticmethod
     def _logprobs(out: SamplerOutput, rows: list[RowSpec]) -> list[Logprobs | None]:
         n = len(rows)
-        sampled, lp = np.asarray(out.sampled)[:n], np.asarray(out.logprob)[:n]
-        ids, lps = np.asarray(out.topk_ids)[:n], np.asarray(out.topk_logprobs)[:n]
+        sampled, lp = to_host(out.sampled)[:n], to_host(out.logprob)[:n]
+        ids, lps = to_host(out.topk_ids)[:n], to_host(out.topk_logprobs)[:n]
         return [None if row.params.logprobs is None else Logprobs(
                     int(sampled[i]), float(lp[i]),
                     list(zip(ids[i, :row.params.logprobs].tolist(),

@@ -1,4 +1,5 @@
-"""Worker: owns the device mesh, loads the weights onto it, sizes the KV cache, builds the runner."""
+"""Worker: owns one device mesh, places the weights on it by the sharding rules, sizes the KV
+cache, builds the model runner."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.distributed.mesh import place, rank_meshes
+from jaxserve.distributed.sharding import (AXIS, expand_kv_heads, kv_cache_sharding, pad_vocab,
+                                           param_sharding, validate_tensor_parallel)
 from jaxserve.executor.model_runner import ModelRunner, dtype_of
 from jaxserve.layers.attention import get_attention_backend, validate_backend
 from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
@@ -31,40 +35,49 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 mesh: Mesh | None = None):
         self.config = config
         enable_compilation_cache(config.runner.compilation_cache_dir)
         m = config.model
         self.loaded = loaded or load_model(m.model, m.load_format, seed=m.seed)
-        self.model_config = self.loaded.config
-        self.max_model_len = m.max_model_len or self.model_config.max_position_embeddings
-        self.mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+        self.mesh = mesh or rank_meshes(config.parallel)[0]
+        tp = self.mesh.shape[AXIS]
+        validate_tensor_parallel(self.loaded.config, tp)
+        cfg, params = expand_kv_heads(self.loaded.config, self.loaded.params, tp)
+        params = pad_vocab(params, cfg.vocab_size, tp)
+        self.model_config = cfg
+        self.max_model_len = m.max_model_len or cfg.max_position_embeddings
         self.dtype = dtype_of(m.dtype)
-        self.model = Llama(self.model_config, self.loaded.params, self.dtype)
+        host_dtype = np.dtype(self.dtype)
+        self.model = Llama(cfg, {
+            name: place(np.asarray(w, host_dtype), param_sharding(self.mesh, name, w.shape))
+            for name, w in params.items()}, self.dtype)
         self.num_blocks = self._num_kv_blocks()
-        k_cache, v_cache = init_kv_cache(self.model_config, self.num_blocks,
-                                         config.cache.block_size, self.dtype)
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        k_cache, v_cache = jax.device_put((k_cache, v_cache), replicated)
-        platform = jax.default_backend()
-        backend = get_attention_backend(config.runner.attention_backend, platform)
-        cfg = self.model_config
-        validate_backend(backend, platform=platform, num_q_heads=cfg.num_heads,
-                         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        self.kv_sharding = kv_cache_sharding(self.mesh)
+        k_cache, v_cache = jax.jit(
+            lambda: init_kv_cache(cfg, self.num_blocks, config.cache.block_size, self.dtype),
+            out_shardings=(self.kv_sharding, self.kv_sharding))()
+        platform = self.mesh.devices.flat[0].platform
+        backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh)
+        validate_backend(backend, platform=platform, num_q_heads=cfg.num_heads // tp,
+                         num_kv_heads=cfg.num_kv_heads // tp, head_dim=cfg.head_dim,
                          block_size=config.cache.block_size,
                          max_num_seqs=config.scheduler.max_num_seqs,
                          pages_per_seq=-(-self.max_model_len // config.cache.block_size),
                          max_num_tokens=config.scheduler.max_num_batched_tokens,
                          dtype=jnp.dtype(self.dtype).name)
-        self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend,
-                                  self.max_model_len, self.model_config.eos_token_ids)
+        self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend, self.mesh,
+                                  self.max_model_len, cfg.eos_token_ids)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size, self.dtype)
-        stats = jax.devices()[0].memory_stats() or {}
+        tp = self.mesh.shape[AXIS]
+        per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size,
+                                             self.dtype) // tp  # per device: its KV heads
+        stats = self.mesh.devices.flat[0].memory_stats() or {}
         if "bytes_limit" in stats:
             budget = stats["bytes_limit"] * cache.gpu_memory_utilization - stats.get(
                 "bytes_in_use", 0)

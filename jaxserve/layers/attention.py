@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import jax
+from jax.sharding import Mesh, PartitionSpec as P
 
 from pallas_kernels import reference
 
@@ -34,9 +35,12 @@ class AttentionBackend:
     """`attend(q, k_cache, v_cache, layer, md, sm_scale=, sliding_window=, soft_cap=)`.
 
     The KV write is always the batch-wide scatter, done before any attention read in the same
-    layer: a prefix-cache hit on a block filled earlier in the same step then reads written KV."""
+    layer: a prefix-cache hit on a block filled earlier in the same step then reads written KV.
+    Pallas kernels cannot be partitioned by XLA, so under tensor parallelism they run per device
+    in a `shard_map` over heads; the `xla` backend is left to the SPMD partitioner."""
     name: str
     kernel: AttendFn
+    mesh: Mesh | None = None
 
     def write(self, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array,
               v: jax.Array, md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
@@ -44,8 +48,17 @@ class AttentionBackend:
 
     def attend(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                md: AttentionMetadata, **kwargs: object) -> jax.Array:
-        return self.kernel(q, k_cache, v_cache, layer, md.seq_lens, md.block_tables,
-                           md.query_start_loc, **kwargs)
+        def kernel(q, k_cache, v_cache, layer, seq_lens, block_tables, query_start_loc):
+            return self.kernel(q, k_cache, v_cache, layer, seq_lens, block_tables,
+                               query_start_loc, **kwargs)
+
+        args = (q, k_cache, v_cache, layer, md.seq_lens, md.block_tables, md.query_start_loc)
+        if self.name == "xla" or self.mesh is None or self.mesh.shape["model"] == 1:
+            return kernel(*args)
+        heads, cache = P(None, "model", None), P(None, "model")
+        return jax.shard_map(kernel, mesh=self.mesh,
+                             in_specs=(heads, cache, cache, P(), P(), P(), P()),
+                             out_specs=heads, check_vma=False)(*args)
 
 
 @functools.cache
@@ -57,7 +70,8 @@ def _pallas_kernel(kind: str, interpret: bool) -> AttendFn:
     return functools.partial(kernel, interpret=interpret)
 
 
-def get_attention_backend(name: str, platform: str | None = None) -> AttentionBackend:
+def get_attention_backend(name: str, platform: str | None = None,
+                          mesh: Mesh | None = None) -> AttentionBackend:
     """`auto` is the Pallas kernel on TPU and GPU and `xla` on CPU; `pallas_interpret` runs the
     TPU kernel's program in Pallas interpret mode (any platform, for tests)."""
     if name not in BACKENDS:
@@ -66,12 +80,12 @@ def get_attention_backend(name: str, platform: str | None = None) -> AttentionBa
     if name == "auto":
         name = "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"
     if name == "xla":
-        return AttentionBackend("xla", reference.ragged_paged_attention)
+        return AttentionBackend("xla", reference.ragged_paged_attention, mesh)
     if name == "pallas" and platform not in ("tpu", "gpu", "cuda", "rocm"):
         raise ValueError(f"attention_backend 'pallas' needs a TPU or GPU, this is {platform!r}; "
                          "use 'pallas_interpret' or 'xla'")
     kind = "tpu" if name == "pallas_interpret" or platform == "tpu" else "gpu"
-    return AttentionBackend(name, _pallas_kernel(kind, name == "pallas_interpret"))
+    return AttentionBackend(name, _pallas_kernel(kind, name == "pallas_interpret"), mesh)
 
 
 def validate_backend(backend: AttentionBackend, *, platform: str, num_q_heads: int,

@@ -11,12 +11,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.layers.rotary import apply_rotary, inverse_frequencies
-from jaxserve.models.llama_config import LlamaConfig, check_params
+from jaxserve.models.llama_config import LlamaConfig
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
                 "bq", "bk", "bv", "q_norm", "k_norm")
@@ -31,8 +30,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 class Llama(nnx.Module):
     """Holds the weights as `nnx.Param`s; `__call__` is a pure function of them."""
 
-    def __init__(self, cfg: LlamaConfig, params: dict[str, np.ndarray], dtype: Any = jnp.float32):
-        check_params(cfg, params, "model weights")
+    def __init__(self, cfg: LlamaConfig, params: dict[str, Any], dtype: Any = jnp.float32):
+        """`params`: the canonical weight dict (numpy, or jax arrays already placed on their
+        shardings); the vocabulary may be padded for tensor parallelism."""
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.embed = nnx.Param(jnp.asarray(params["embed"], self.dtype))
@@ -41,8 +41,6 @@ class Llama(nnx.Module):
                         else nnx.Param(jnp.asarray(params["lm_head"], self.dtype)))
         self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name], self.dtype))
                                 for name in LAYER_PARAMS if name in params})
-        self.inv_freq = nnx.Variable(jnp.asarray(
-            inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)))
 
     def __call__(
         self,
@@ -55,7 +53,8 @@ class Llama(nnx.Module):
         cfg = self.cfg
         x = self.embed[...][input_ids]
         weights = {name: p[...] for name, p in self.layers.items()}
-        inv_freq = self.inv_freq[...]
+        inv_freq = jnp.asarray(inverse_frequencies(cfg.head_dim, cfg.rope_theta,
+                                                   cfg.rope_scaling_dict))  # a constant
 
         def layer_step(carry, layer_in):
             x, k_cache, v_cache = carry
@@ -88,7 +87,7 @@ class Llama(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> f32[N, V]
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return (hidden @ head).astype(jnp.float32)
+        return (hidden @ head)[:, :self.cfg.vocab_size].astype(jnp.float32)
 
 
 def init_kv_cache(cfg: LlamaConfig, num_blocks: int, block_size: int,

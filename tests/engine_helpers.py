@@ -33,9 +33,10 @@ def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[
 
 
 def assert_no_leaks(engine) -> None:  # noqa: ANN001 (LLMEngine)
-    """Every block but the null block is free, and no request state is left anywhere."""
-    sched = engine.core.scheduler
-    assert not sched.running and not sched.waiting and not sched.requests
-    assert sched.kv.num_free_blocks == sched.kv.num_blocks - 1
-    assert not sched.kv.req_to_blocks
+    """Every block but the null block is free on every rank, and no request state is left."""
+    for sched in engine.core.schedulers:
+        assert not sched.running and not sched.waiting and not sched.requests
+        assert sched.kv.num_free_blocks == sched.kv.num_blocks - 1
+        assert not sched.kv.req_to_blocks
+    assert not engine.core.router.routes and not engine.core.router.groups
     assert not engine.output_processor.states and not engine.output_processor.parent_of

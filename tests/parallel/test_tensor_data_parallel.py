@@ -1,0 +1,95 @@
+"""Tensor and data parallelism on 8 forced CPU devices: same greedy tokens as one device."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from engine_helpers import SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prompts
+from jaxserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (forced) CPU devices")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gqa8(hf_checkpoint):
+    """8 query heads over 2 KV heads: TP 4 and 8 exceed the KV-head count."""
+    path = hf_checkpoint("llama", num_heads=8, num_kv_heads=2)
+    prompts = random_prompts(10, 1, 50, seed=61)
+    return path, prompts, hf_greedy(path, prompts, 12)
+
+
+@pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (2, 4)])
+def test_greedy_tokens_equal_single_device(gqa8, compile_cache_dir, tp, dp):
+    path, prompts, expected = gqa8
+    llm = LLM(str(path), tensor_parallel_size=tp, data_parallel_size_local=dp,
+              compilation_cache_dir=compile_cache_dir, **SMALL_ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_no_leaks(llm.engine)
+
+
+def _device0_bytes(arrays) -> int:
+    dev = jax.devices()[0]
+    return sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == dev)
+
+
+def test_per_device_weight_and_kv_bytes_shrink_as_one_over_tp(hf_checkpoint, compile_cache_dir):
+    path = hf_checkpoint("llama", num_heads=8, num_kv_heads=4)
+    sizes = {}
+    for tp in (1, 2, 4):
+        w = LLM(str(path), tensor_parallel_size=tp, compilation_cache_dir=compile_cache_dir,
+                **SMALL_ENGINE).engine.core.executor.worker
+        sharded = [p[...] for name, p in w.model.layers.items() if name.startswith("w")]
+        sharded += [w.model.embed[...], w.model.lm_head[...]]
+        sizes[tp] = (_device0_bytes(sharded), _device0_bytes([w.runner.k_cache, w.runner.v_cache]))
+    for tp in (2, 4):
+        assert sizes[tp][0] * tp == sizes[1][0]
+        assert sizes[tp][1] * tp == sizes[1][1]
+
+
+def test_shared_prefixes_go_to_one_rank_and_loads_stay_balanced(hf_checkpoint, compile_cache_dir):
+    path = hf_checkpoint("llama")
+    llm = LLM(str(path), data_parallel_size_local=2, compilation_cache_dir=compile_cache_dir,
+              **SMALL_ENGINE)
+    prefix = random_prompts(1, 64, 64, seed=62)[0]
+    llm.generate({"prompt_token_ids": prefix + [5]}, GREEDY, use_tqdm=False)  # cached on a rank
+    family = [prefix + tail for tail in random_prompts(6, 1, 10, seed=63)]
+    llm.generate([{"prompt_token_ids": p} for p in family], GREEDY, use_tqdm=False)
+    hits = [s.stats().prefix_cache_hits for s in llm.engine.core.schedulers]
+    assert sorted(hits) == [0, 6 * 64]  # every family member hit the whole prefix, on one rank
+
+    unrelated = random_prompts(16, 20, 40, seed=64)
+    engine = llm.engine
+    for i, p in enumerate(unrelated):
+        engine.add_request(f"u{i}", {"prompt_token_ids": p}, GREEDY)
+    counts = [len(s.waiting) + len(s.running) for s in engine.core.schedulers]
+    assert abs(counts[0] - counts[1]) <= 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"tensor_parallel_size": 3}, "tensor_parallel_size 3 must divide the number of attention"),
+    ({"tensor_parallel_size": 16}, "needs 16 devices"),
+    ({"tensor_parallel_size": 4, "data_parallel_size_local": 4}, "needs 16 devices"),
+])
+def test_bad_parallel_configurations_fail_at_start_up(hf_checkpoint, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(hf_checkpoint("llama")), **(SMALL_ENGINE | kwargs))
+
+
+
+
+def test_tp_neither_dividing_nor_a_multiple_of_the_kv_heads_is_rejected():
+    from jaxserve.distributed.sharding import validate_tensor_parallel
+    from jaxserve.models.llama_config import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=64, num_layers=1,
+                      num_heads=12, num_kv_heads=4, head_dim=8)
+    with pytest.raises(ValueError, match="KV heads"):
+        validate_tensor_parallel(cfg, 6)
+    validate_tensor_parallel(cfg, 2)
+    validate_tensor_parallel(cfg, 12)
