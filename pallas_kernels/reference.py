@@ -33,12 +33,11 @@ def write_kv(
     return k_cache, v_cache
 
 
-def token_request_index(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:
-    """i32[T]: the request each query row belongs to (padding rows map to the last request)."""
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    idx = jnp.searchsorted(query_start_loc, rows, side="right",
-                           method="compare_all").astype(jnp.int32) - 1
-    return jnp.clip(idx, 0, query_start_loc.shape[0] - 2)
+def query_tile_size(num_tokens: int, num_reqs: int, max_tile: int = 32) -> int:
+    """Rows per query tile, from static shapes only: decode-heavy steps (about one row per
+    request) use tiles of 1; prefill-heavy ones share each gathered KV chunk between rows."""
+    ratio = max(1, num_tokens // max(1, num_reqs))
+    return min(max_tile, 1 << (ratio.bit_length() - 1))
 
 
 def ragged_paged_attention(
@@ -55,51 +54,66 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     kv_chunk_tokens: int = 256,
 ) -> jax.Array:  # [T, Hq, D]
-    """Gather each query row's KV through its request's block table, one chunk of pages at a time
-    with an online softmax, looping only as far as the longest sequence in the step."""
+    """Cut each request's rows into tiles of TQ rows, gather each tile's KV through its
+    request's block table one chunk of pages at a time (online softmax), looping only as far as
+    the longest sequence in the step, and scatter the tiles' rows back."""
     T, Hq, D = q.shape
+    R = seq_lens.shape[0]
     Hkv, BS = k_cache.shape[1], k_cache.shape[3]
     G = Hq // Hkv
     P = block_tables.shape[1]
+    TQ = query_tile_size(T, R)
+    NT = -(-T // TQ) + (R * (TQ - 1)) // TQ  # enough tiles whatever the split of T over R
     pages_per_chunk = max(1, min(P, kv_chunk_tokens // BS))
     num_chunks_max = -(-P // pages_per_chunk)
     pad = num_chunks_max * pages_per_chunk - P
     tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
 
-    req = token_request_index(query_start_loc, T)  # i32[T]
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    row = jnp.arange(T, dtype=jnp.int32) - query_start_loc[req]
-    q_pos = seq_lens[req] - q_lens[req] + row  # i32[T]  position of each query row
-    valid_row = row < q_lens[req]
-    qg = (q.astype(jnp.float32) * sm_scale).reshape(T, Hkv, G, D)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # i32[R]
+    tiles_per_req = (q_lens + TQ - 1) // TQ
+    tiles_end = jnp.cumsum(tiles_per_req)
+    tile = jnp.arange(NT, dtype=jnp.int32)
+    req = jnp.clip(jnp.searchsorted(tiles_end, tile, side="right", method="compare_all"),
+                   0, R - 1).astype(jnp.int32)  # i32[NT]
+    first_row = query_start_loc[req] + (tile - (tiles_end[req] - tiles_per_req[req])) * TQ
+    rows = first_row[:, None] + jnp.arange(TQ, dtype=jnp.int32)  # i32[NT, TQ]
+    valid = (tile < tiles_end[-1])[:, None] & (rows < query_start_loc[req + 1][:, None])
+    q_pos = seq_lens[req][:, None] - query_start_loc[req + 1][:, None] + rows  # i32[NT, TQ]
+    qt = q[jnp.clip(rows, 0, T - 1)].astype(jnp.float32) * sm_scale  # [NT, TQ, Hq, D]
+    qt = qt.reshape(NT, TQ, Hkv, G, D)
 
     def chunk(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(tables, c * pages_per_chunk, pages_per_chunk, 1)
-        pages = pages[req]  # i32[T, C]
-        k = k_cache[layer, :, pages].astype(jnp.float32)  # [T, C, Hkv, BS, D]
+        pages = pages[req]  # i32[NT, C]
+        k = k_cache[layer, :, pages].astype(jnp.float32)  # [NT, C, Hkv, BS, D]
         v = v_cache[layer, :, pages].astype(jnp.float32)
-        s = jnp.einsum("thgd,tchsd->thgcs", qg, k).reshape(T, Hkv, G, -1)
+        s = jnp.einsum("nqhgd,nchsd->nhqgcs", qt, k).reshape(NT, Hkv, TQ, G, -1)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = c * pages_per_chunk * BS + jnp.arange(pages_per_chunk * BS, dtype=jnp.int32)
-        mask = (kv_pos[None, :] <= q_pos[:, None]) & valid_row[:, None]
+        mask = (kv_pos[None, None, :] <= q_pos[..., None]) & valid[..., None]  # [NT, TQ, S]
         if sliding_window is not None:
-            mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
-        s = jnp.where(mask[:, None, None, :], s, _MASK_VALUE)
+            mask &= kv_pos[None, None, :] > q_pos[..., None] - sliding_window
+        mask = mask[:, None, :, None, :]
+        s = jnp.where(mask, s, _MASK_VALUE)
         m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None]) * mask[:, None, None, :]
+        p = jnp.exp(s - m_new[..., None]) * mask
         scale = jnp.exp(m - m_new)
         l = l * scale + p.sum(-1)
-        pv = jnp.einsum("thgcs,tchsd->thgd", p.reshape(T, Hkv, G, pages_per_chunk, BS), v)
+        pv = jnp.einsum("nhqgcs,nchsd->nhqgd",
+                        p.reshape(NT, Hkv, TQ, G, pages_per_chunk, BS), v)
         acc = acc * scale[..., None] + pv
         return m_new, l, acc
 
     max_len = jnp.max(seq_lens)
     num_chunks = jnp.minimum((max_len + pages_per_chunk * BS - 1) // (pages_per_chunk * BS),
                              num_chunks_max)
-    init = (jnp.full((T, Hkv, G), _MASK_VALUE, jnp.float32), jnp.zeros((T, Hkv, G), jnp.float32),
-            jnp.zeros((T, Hkv, G, D), jnp.float32))
+    shape = (NT, Hkv, TQ, G)
+    init = (jnp.full(shape, _MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, D), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, num_chunks, chunk, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
-    return out.reshape(T, Hq, D).astype(q.dtype)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(NT * TQ, Hq, D)  # rows of tiles, heads
+    dest = jnp.where(valid, rows, T).reshape(-1)  # invalid rows fall off the end
+    return jnp.zeros((T, Hq, D), q.dtype).at[dest].set(out.astype(q.dtype), mode="drop")

@@ -50,7 +50,11 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_steps = 0
-        self._prefill_only = False
+        self._phase: str | None = None
+        # Disaggregated decode: requests whose blocks wait for a KV transfer, and transferred
+        # requests the worker has not been sent yet.
+        self._reserved: dict[str, Request] = {}
+        self._transferred: list[NewRequestData] = []
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -87,12 +91,37 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        self._prefill_only = self._prefill_only_step()
+        self._phase = self._v0_phase()
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: set[str] = set()
 
+        budget = self._schedule_running(budget, num_scheduled, cached, preempted)
+        if self._phase == "prefill" and not num_scheduled and not preempted \
+                and not self._can_admit():
+            # V0-style steps: no prefill can run (no seat or blocks), so run the decodes.
+            self._phase = "decode"
+            budget = self._schedule_running(budget, num_scheduled, cached, preempted)
+
+        if not preempted and self._phase != "decode":
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs)
+
+        if self._transferred:
+            new_reqs.extend(self._pop_transferred())
+        for request in self.running:  # tokens count as computed from now on
+            request.num_computed_tokens += num_scheduled.get(request.request_id, 0)
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted)
+        self.finished_req_ids = set()
+        self.num_steps += 1
+        return out
+
+    def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
+                          cached: CachedRequestData, preempted: set[str]) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -119,25 +148,13 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             i += 1
-
-        if not preempted and (self.config.enable_mixed_batching or self._prefill_only):
-            budget = self._admit_waiting(budget, num_scheduled, new_reqs)
-
-        for request in self.running:  # tokens count as computed from now on
-            request.num_computed_tokens += num_scheduled.get(request.request_id, 0)
-        out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted)
-        self.finished_req_ids = set()
-        self.num_steps += 1
-        return out
+        return budget
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new_reqs: list[NewRequestData]) -> int:
         deferred: list[Request] = []
-        prefilling = {r.group_id for r in self.running if r.num_computed_tokens < r.num_tokens}
+        prefilling = {r.group_id for r in self.running
+                      if r.num_computed_tokens < r.num_prompt_tokens}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.group_id is not None and request.group_id in prefilling:
@@ -175,15 +192,25 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return budget
 
-    def _prefill_only_step(self) -> bool:
-        """Without mixed batching, a step serves prefills whenever any are pending (V0)."""
-        return (not self.config.enable_mixed_batching
-                and (bool(self.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
-                                               for r in self.running)))
+    def _v0_phase(self) -> str | None:
+        """Without mixed batching a step is all prefill (whenever any is pending, as in V0) or
+        all decode; None: the V1 mixed step."""
+        if self.config.enable_mixed_batching:
+            return None
+        pending = bool(self.waiting) or any(_is_prefilling(r) for r in self.running)
+        return "prefill" if pending else "decode"
+
+    def _can_admit(self) -> bool:
+        """Whether the first waiting request could start now (a seat and its blocks)."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        request = self.waiting[0]
+        needed = -(-request.num_tokens // self.kv.block_size)
+        return needed <= self.kv.num_free_blocks + len(self.kv.find_cached_prefix(request))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        if self._prefill_only and request.num_computed_tokens >= request.num_prompt_tokens:
-            return 0  # a decode, held back while prefills run
+        if self._phase is not None and (self._phase == "prefill") != _is_prefilling(request):
+            return 0  # V0-style: a decode held back from a prefill step, or the other way
         num_new = request.num_tokens - request.num_computed_tokens
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
@@ -191,7 +218,11 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            # Ties go to the most recently admitted, as under FCFS: preempting an older one
+            # could let two requests evict each other forever.
+            i = max(range(len(self.running)),
+                    key=lambda i: (self.running[i].priority, self.running[i].arrival_time, i))
+            return self.running[i]
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
@@ -202,6 +233,61 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    # ---- disaggregated prefill/decode ----------------------------------------------------
+    def detach_request(self, request_id: str) -> Request:
+        """Prefill side: take a running request out WITHOUT freeing its blocks, because a KV
+        transfer reads them next; the caller releases them with `kv.free(request)`."""
+        request = self.requests.pop(request_id)
+        self.running.remove(request)
+        self.finished_req_ids.add(request_id)  # the worker drops its state
+        return request
+
+    def reserve_transfer(self, request: Request) -> list[int] | None:
+        """Decode side: allocate blocks for a request whose tokens but the last have their KV
+        computed elsewhere (prompt + first output token), plus room for that last token.
+        None, with nothing changed, when the pool or max_num_seqs is full (back-pressure)."""
+        if request.request_id in self.requests or request.request_id in self._reserved:
+            raise ValueError(f"request_id {request.request_id!r} is already in this scheduler")
+        if len(self.running) + len(self._reserved) >= self.config.max_num_seqs:
+            return None
+        block_ids = self.kv.allocate_external(request, request.num_tokens - 1, 1)
+        if block_ids is not None:
+            self._reserved[request.request_id] = request
+        return block_ids
+
+    def admit_transferred(self, request_id: str) -> None:
+        """Start a reserved request once its KV is written (or its write is dispatched ahead
+        of the next step): it runs on from its last token as if the rest were a prefix hit."""
+        request = self._reserved.pop(request_id)
+        request.num_computed_tokens = request.num_tokens - 1
+        request.status = RequestStatus.RUNNING
+        self.requests[request_id] = request
+        self.running.append(request)
+        self._transferred.append(NewRequestData(
+            req_id=request_id, token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.sampling_params,
+            seed=request.seed, num_output_tokens=request.num_output_tokens,
+            block_ids=self.kv.get_block_ids(request_id),
+            num_computed_tokens=request.num_computed_tokens))
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        """Free a reserved request's blocks (aborted before its KV arrived)."""
+        request = self._reserved.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+        return request is not None
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    def _pop_transferred(self) -> list[NewRequestData]:
+        # Drop the ones aborted or preempted since admission: the worker must not keep them.
+        new = [n for n in self._transferred if n.req_id in self.requests
+               and self.requests[n.req_id].status == RequestStatus.RUNNING]
+        self._transferred = []
+        return new
 
     # ---- after the step ------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput,
@@ -245,3 +331,9 @@ class Scheduler:
         totals = self.kv.total_stats
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage,
                               totals.queries, totals.hits, self.num_preemptions, self.num_steps)
+
+
+def _is_prefilling(request: Request) -> bool:
+    """Prompt left to compute, or more than one token (the recompute after a preemption)."""
+    return (request.num_computed_tokens < request.num_prompt_tokens
+            or request.num_tokens - request.num_computed_tokens > 1)
