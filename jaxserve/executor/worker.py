@@ -19,8 +19,10 @@ from jaxserve.distributed.sharding import (AXIS, expand_kv_heads, kv_cache_shard
                                            param_sharding, validate_tensor_parallel)
 from jaxserve.executor.model_runner import ModelRunner, dtype_of
 from jaxserve.layers.attention import get_attention_backend, validate_backend
+from jaxserve.models.checkpoint_io import load_converted, read_converted_config
 from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
-from jaxserve.models.loader import LoadedModel, load_model
+from jaxserve.models.llama_config import param_shapes
+from jaxserve.models.loader import CONVERTED_CONFIG_FILE, LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -34,25 +36,41 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def restores_sharded(config: EngineConfig) -> bool:
+    """An orbax checkpoint whose layout needs no change for this TP size is restored shard by
+    shard onto the devices; anything else is read on the host and then placed."""
+    m, tp = config.model, config.parallel.tensor_parallel_size
+    if m.load_format not in ("orbax", "auto") or not (
+            Path(m.model) / CONVERTED_CONFIG_FILE).is_file():
+        return False
+    cfg = read_converted_config(m.model)
+    return tp <= cfg.num_kv_heads and cfg.vocab_size % tp == 0
+
+
 class Worker:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  mesh: Mesh | None = None):
         self.config = config
         enable_compilation_cache(config.runner.compilation_cache_dir)
         m = config.model
-        self.loaded = loaded or load_model(m.model, m.load_format, seed=m.seed)
         self.mesh = mesh or rank_meshes(config.parallel)[0]
+        self.dtype = dtype_of(m.dtype)
         tp = self.mesh.shape[AXIS]
-        validate_tensor_parallel(self.loaded.config, tp)
-        cfg, params = expand_kv_heads(self.loaded.config, self.loaded.params, tp)
-        params = pad_vocab(params, cfg.vocab_size, tp)
+        if loaded is None and restores_sharded(config):
+            self.loaded = self._restore_sharded(m.model)  # params already on their devices
+            cfg, placed = self.loaded.config, self.loaded.params
+        else:
+            self.loaded = loaded or load_model(m.model, m.load_format, seed=m.seed)
+            validate_tensor_parallel(self.loaded.config, tp)
+            cfg, params = expand_kv_heads(self.loaded.config, self.loaded.params, tp)
+            params = pad_vocab(params, cfg.vocab_size, tp)
+            host_dtype = np.dtype(self.dtype)
+            placed = {name: place(np.asarray(w, host_dtype),
+                                  param_sharding(self.mesh, name, w.shape))
+                      for name, w in params.items()}
         self.model_config = cfg
         self.max_model_len = m.max_model_len or cfg.max_position_embeddings
-        self.dtype = dtype_of(m.dtype)
-        host_dtype = np.dtype(self.dtype)
-        self.model = Llama(cfg, {
-            name: place(np.asarray(w, host_dtype), param_sharding(self.mesh, name, w.shape))
-            for name, w in params.items()}, self.dtype)
+        self.model = Llama(cfg, placed, self.dtype)
         self.num_blocks = self._num_kv_blocks()
         self.kv_sharding = kv_cache_sharding(self.mesh)
         k_cache, v_cache = jax.jit(
@@ -69,6 +87,15 @@ class Worker:
                          dtype=jnp.dtype(self.dtype).name)
         self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend, self.mesh,
                                   self.max_model_len, cfg.eos_token_ids)
+
+    def _restore_sharded(self, path: str) -> LoadedModel:
+        """orbax reads each device's shard straight onto it: no full copy on any device."""
+        cfg = read_converted_config(path)
+        validate_tensor_parallel(cfg, self.mesh.shape[AXIS])
+        target = {name: jax.ShapeDtypeStruct(shape, self.dtype,
+                                             sharding=param_sharding(self.mesh, name, shape))
+                  for name, shape in param_shapes(cfg).items()}
+        return load_converted(path, target)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache

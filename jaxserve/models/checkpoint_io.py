@@ -85,17 +85,22 @@ def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:
     return dst
 
 
+def read_converted_config(path: str | Path) -> LlamaConfig:
+    path = Path(path).resolve()
+    meta = read_json(path / CONVERTED_CONFIG_FILE)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path / CONVERTED_CONFIG_FILE}: format_version "
+                         f"{meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+    return config_from_dict(meta["config"], str(path / CONVERTED_CONFIG_FILE))
+
+
 def load_converted(path: str | Path, target: dict[str, Any] | None = None) -> LoadedModel:
     """Restore a `save_converted` directory. `target` maps names to `jax.ShapeDtypeStruct`s
     (with shardings) to restore straight into device arrays; without it the params are numpy."""
     import orbax.checkpoint as ocp
 
     path = Path(path).resolve()
-    meta = read_json(path / CONVERTED_CONFIG_FILE)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path / CONVERTED_CONFIG_FILE}: format_version "
-                         f"{meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-    config = config_from_dict(meta["config"], str(path / CONVERTED_CONFIG_FILE))
+    config = read_converted_config(path)
     if not (path / "params").is_dir():
         raise ValueError(f"{path}: converted checkpoint has no params/ directory")
     try:

@@ -93,3 +93,26 @@ def test_tp_neither_dividing_nor_a_multiple_of_the_kv_heads_is_rejected():
         validate_tensor_parallel(cfg, 6)
     validate_tensor_parallel(cfg, 2)
     validate_tensor_parallel(cfg, 12)
+
+
+def test_orbax_checkpoint_restores_each_shard_onto_its_device(compile_cache_dir, tmp_path, gqa8,
+                                                             monkeypatch):
+    from jaxserve.executor import worker
+    from jaxserve.models.checkpoint_io import save_converted
+    from jaxserve.models.loader import load_model
+
+    path, prompts, expected = gqa8
+    dst = save_converted(load_model(str(path)), tmp_path / "converted")
+
+    def no_host_copy(*args: object) -> None:
+        raise AssertionError("weights went through a full host array")
+
+    monkeypatch.setattr(worker, "place", no_host_copy)
+    monkeypatch.setattr(worker, "load_model", no_host_copy)
+    llm = LLM(str(dst), tensor_parallel_size=2, compilation_cache_dir=compile_cache_dir,
+              **SMALL_ENGINE)
+    wq = llm.engine.core.executor.worker.model.layers["wq"][...]
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
+    assert wq.addressable_shards[0].data.shape[-1] * 2 == wq.shape[-1]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
