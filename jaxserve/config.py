@@ -8,10 +8,12 @@ from typing import Any
 
 import yaml
 
+from jaxserve.models.default_model import default_model_path
+
 
 @dataclass
 class ModelConfig:
-    model: str = "dummy"
+    model: str | None = None  # None: the small model that ships in the package
     tokenizer: str | None = None
     load_format: str = "auto"  # auto | hf | gguf | llama2c | orbax | dummy
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 elsewhere) | float32 | bfloat16
@@ -60,6 +62,10 @@ class ParallelConfig:
     num_processes: int | None = None
     process_id: int | None = None
     distributed_timeout_s: int = 120
+    devices: list[int] | None = None  # indices into jax.devices() to run on; default: all
+    # Separate prefill and decode engines with KV transfer (docs/disaggregation.md): a mapping,
+    # or JSON/YAML text or a YAML file path (the CLI's --disaggregation).
+    disaggregation: dict[str, Any] | None = None
 
 
 @dataclass
@@ -98,6 +104,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         m, c, s, r, p = self.model, self.cache, self.scheduler, self.runner, self.parallel
+        if m.model is None:
+            m.model = default_model_path()
         _positive(c, "block_size")
         _positive(s, "max_num_seqs")
         _positive(s, "max_num_batched_tokens")
@@ -123,6 +131,16 @@ class EngineConfig:
             raise ValueError(f"load_format {m.load_format!r} is not supported")
         if m.max_model_len is not None:
             _positive(m, "max_model_len")
+        if p.devices is not None and (
+                not isinstance(p.devices, list) or not p.devices
+                or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in p.devices)
+                or len(set(p.devices)) != len(p.devices)):
+            raise ValueError(f"devices must be a non-empty list of distinct device indices "
+                             f"(integers >= 0), got {p.devices!r}")
+        if p.disaggregation is not None:
+            from jaxserve.distributed.disagg.settings import normalize_disaggregation
+
+            p.disaggregation = normalize_disaggregation(p.disaggregation, self)
         for name in ("token_buckets", "request_buckets"):
             buckets = getattr(r, name)
             if buckets is not None and (not buckets or any(

@@ -9,9 +9,6 @@ import time
 
 from jaxserve.entrypoints.cli_args import add_engine_args, engine_kwargs
 
-DEFAULT_MODEL = "dummy"
-
-
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -36,7 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, max_tokens=args.max_tokens, seed=args.sampling_seed, stop=args.stop,
         ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
-    llm = LLM(**({"model": args.model or DEFAULT_MODEL} | engine_kwargs(args, skip=("model",))))
+    llm = LLM(args.model, **engine_kwargs(args, skip=("model",)))
     start = time.perf_counter()
     outputs = llm.generate(args.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -69,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="+")
-    gen.add_argument("--model", default=None, help="checkpoint path (HF dir, .gguf, .bin, orbax)")
+    gen.add_argument("--model", default=None, help="checkpoint: HF dir, .gguf, llama2.c .bin, "
+                     "converted dir (default: the small model shipped with jaxserve)")
     add_engine_args(gen, skip=("model",))
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)

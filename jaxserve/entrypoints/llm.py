@@ -16,7 +16,7 @@ from jaxserve.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, **engine_args: Any):
+    def __init__(self, model: str | None = None, **engine_args: Any):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 
