@@ -3,10 +3,15 @@ own sub-mesh. A step launches every rank before waiting for any, so ranks run co
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
+
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.distributed.mesh import initialize_distributed, rank_meshes
-from jaxserve.executor.worker import Worker
+from jaxserve.executor.model_runner import PendingStep
+from jaxserve.executor.worker import Worker, restores_sharded
 from jaxserve.models.loader import LoadedModel, load_model
 
 
@@ -14,16 +19,36 @@ class Executor:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         initialize_distributed(config.parallel)
         m = config.model
-        loaded = loaded or load_model(m.model, m.load_format, seed=m.seed)
-        self.workers = [Worker(config, loaded, mesh) for mesh in rank_meshes(config.parallel)]
+        if loaded is None and not restores_sharded(config):
+            loaded = load_model(m.model, m.load_format, seed=m.seed)
+        self.workers = [Worker(config, loaded, mesh) for mesh in rank_meshes(
+            config.parallel, select_devices(config.parallel.devices))]
 
     @property
     def worker(self) -> Worker:
         return self.workers[0]
 
     def execute_model(self, scheds: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
-        pending = [w.runner.dispatch(s) for w, s in zip(self.workers, scheds)]
+        return self.collect(self.dispatch(scheds))
+
+    def dispatch(self, scheds: list[SchedulerOutput]) -> list[PendingStep | None]:
+        """Launch every rank's step without waiting (another engine's step can run meanwhile)."""
+        return [w.runner.dispatch(s) for w, s in zip(self.workers, scheds)]
+
+    def collect(self, pending: list[PendingStep | None]) -> list[ModelRunnerOutput]:
         return [w.runner.collect(p) for w, p in zip(self.workers, pending)]
 
     def warm_up(self) -> float:
         return sum(w.runner.warm_up() for w in self.workers)
+
+
+def select_devices(ids: list[int] | None) -> list[Any] | None:
+    """The devices with these indices in `jax.devices()` (None: all of them, in order)."""
+    if ids is None:
+        return None
+    devices = jax.devices()
+    bad = [i for i in ids if not 0 <= i < len(devices)]
+    if bad:
+        raise ValueError(f"devices: index {bad[0]} is out of range; {len(devices)} devices "
+                         "are present")
+    return [devices[i] for i in ids]
