@@ -85,6 +85,7 @@ _SHUTDOWN = object()
 class AsyncLLM:
     def __init__(self, model: str, max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
                  **engine_args: Any):
+        _check_queue_bound(max_queued_requests)
         self._start(LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args)),
                     max_queued_requests)
 
@@ -102,10 +103,7 @@ class AsyncLLM:
         return self
 
     def _start(self, engine: LLMEngine, max_queued_requests: int) -> None:
-        if (isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int)
-                or max_queued_requests < 1):
-            raise ValueError(f"max_queued_requests must be a positive integer, "
-                             f"got {max_queued_requests!r}")
+        _check_queue_bound(max_queued_requests)
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.core.max_model_len
@@ -334,6 +332,11 @@ class AsyncLLM:
                 return
             if isinstance(cmd, (_Add, _Call)) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(error)
+
+
+def _check_queue_bound(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_queued_requests must be a positive integer, got {value!r}")
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -88,6 +88,8 @@ def test_llama31_rope_scaling_is_exercised(hf_checkpoint):
     plain = loaded.config.replace(rope_scaling=None)
     ids = np.random.default_rng(3).integers(2, 320, size=200).tolist()
     ref = hf_logits(path, ids)
-    np.testing.assert_allclose(forward_logits(path, ids, splits=[100]), ref, atol=1e-4, rtol=0)
+    scaled = forward_logits(path, ids, splits=[100])
+    np.testing.assert_allclose(scaled, ref, atol=1e-4, rtol=0)
     unscaled = forward_logits(path, ids, splits=[100], config=plain)
-    assert np.abs(unscaled - ref).max() > 1e-3  # scaling matters at these positions
+    # Without the llama3 rule the logits move far more than our numerical error.
+    assert np.abs(unscaled - ref).max() > 100 * np.abs(scaled - ref).max()

@@ -1,0 +1,78 @@
+"""OpenAI-style error bodies `{"error": {"message", "type", "param", "code"}}` for all failures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from jaxserve.engine.async_llm import EngineDeadError, EngineQueueFullError
+from jaxserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 500: "internal_server_error",
+          503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message,
+                                             type=_TYPES.get(self.status, "api_error"),
+                                             param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status)
+
+
+def bad_request(exc: ValueError | str, param: str | None = None,
+                code: str | None = "invalid_value", fields: tuple[str, ...] = ()) -> APIError:
+    """A 400 for a ValueError; `param` defaults to the field the message starts with."""
+    message = str(exc)
+    if param is None and fields:
+        first = message.split(" ", 1)[0].rstrip(":")
+        param = first if first in fields else None
+    return APIError(400, message, param, code)
+
+
+def _describe(errors: list[Any]) -> tuple[str, str | None, str]:
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        return f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}", None, \
+            "invalid_json"
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = f"{param}: {err['msg']}" if param else err["msg"]
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return message, param, "missing_field" if err.get("type") == "missing" else "invalid_value"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param, code = _describe(list(exc.errors()))
+        return APIError(400, message, param, code).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(EngineQueueFullError)
+    async def _queue_full(_: Request, exc: EngineQueueFullError) -> JSONResponse:
+        return APIError(503, f"the server is busy: {exc}", code="queue_full").response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(503, str(exc), code="engine_dead").response()

@@ -1,0 +1,141 @@
+"""`POST /v1/chat/completions`: messages through the tokenizer's chat template, streamed or not."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+
+from jaxserve.core.scheduler_output import Logprobs
+from jaxserve.entrypoints.openai.errors import APIError
+from jaxserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
+                                                  ChatCompletionRequest, ChatCompletionResponse,
+                                                  ChatLogprobs, ChatMessage, ChatMessageOut,
+                                                  ChatStreamChoice, DeltaMessage, TokenLogprob,
+                                                  TopLogprob)
+from jaxserve.entrypoints.openai.serving_common import (DONE, OpenAIServing, SSEResponse, merge,
+                                                        sse, stream_error, usage)
+from jaxserve.outputs import RequestOutput
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, req: ChatCompletionRequest) -> Response:
+        self.check_model(req.model)
+        if req.tools:
+            raise APIError(400, "tools are not supported", "tools", "unsupported")
+        top = req.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
+                           "top_logprobs")
+        if top is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
+        prompt_ids = self._render(req.messages, req.add_generation_prompt)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        params = self.sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        gens = await self.start(request_id, [{"prompt_token_ids": prompt_ids}], params, req)
+        model = req.model or self.model_names[0]
+        if req.stream:
+            return SSEResponse(self._stream(request_id, model, gens[0], params.n, req))
+        return JSONResponse((await self._collect(request_id, model, gens[0], params.n,
+                                                 req)).model_dump())
+
+    def _render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        if not messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        if self.tokenizer is None:
+            raise APIError(400, "messages: this model has no tokenizer, so no chat template",
+                           "messages")
+        conversation: list[dict[str, Any]] = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                if any(p.type != "text" or p.text is None for p in content):
+                    raise APIError(400, f"messages.{i}.content: only text parts are supported",
+                                   f"messages.{i}.content", "unsupported")
+                content = "".join(p.text or "" for p in content)
+            conversation.append({"role": m.role, "content": content or ""})
+        try:
+            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
+            raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
+                from None
+        self.check_length(ids, "messages")
+        return ids
+
+    def _logprobs(self, token_ids: list[int], entries: list[Logprobs]) -> ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> TopLogprob:
+            text = self.token_text(token_id)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        content = []
+        for token_id, e in zip(token_ids, entries):
+            head = entry(token_id, e.logprob)
+            content.append(TokenLogprob(**head.model_dump(),
+                                        top_logprobs=[entry(t, v) for t, v in e.top]))
+        return ChatLogprobs(content=content)
+
+    async def _stream(self, request_id: str, model: str, gen: AsyncIterator[RequestOutput],
+                      n: int, req: ChatCompletionRequest) -> AsyncIterator[str]:
+        tracker = self.metrics.tracker()
+        prompt_tokens = completion_tokens = 0
+        try:
+            yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
+                ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(n)]))
+            async for _, out in merge([gen]):
+                tracker.observe(out)
+                prompt_tokens = len(out.prompt_token_ids)
+                choices = []
+                for comp in out.outputs:
+                    completion_tokens += len(comp.token_ids)
+                    logprobs = (self._logprobs(comp.token_ids, comp.logprobs)
+                                if req.logprobs and comp.logprobs else None)
+                    if comp.text or logprobs or comp.finish_reason or (
+                            req.return_token_ids and comp.token_ids):
+                        choices.append(ChatStreamChoice(
+                            index=comp.index, delta=DeltaMessage(content=comp.text or None),
+                            logprobs=logprobs, finish_reason=comp.finish_reason,
+                            stop_reason=comp.stop_reason,
+                            token_ids=comp.token_ids if req.return_token_ids else None))
+                if choices:
+                    yield sse(ChatCompletionChunk(id=request_id, model=model, choices=choices))
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[],
+                                              usage=usage(prompt_tokens, completion_tokens)))
+        except Exception as exc:  # noqa: BLE001 (the status line has gone out already)
+            yield stream_error(exc)
+        yield DONE
+
+    async def _collect(self, request_id: str, model: str, gen: AsyncIterator[RequestOutput],
+                       n: int, req: ChatCompletionRequest) -> ChatCompletionResponse:
+        tracker = self.metrics.tracker()
+        texts, token_ids = [""] * n, [[] for _ in range(n)]
+        logprobs = [ChatLogprobs(content=[]) if req.logprobs else None for _ in range(n)]
+        reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * n
+        prompt_tokens = 0
+        async for _, out in merge([gen]):
+            tracker.observe(out)
+            prompt_tokens = len(out.prompt_token_ids)
+            for comp in out.outputs:
+                i = comp.index
+                texts[i] += comp.text
+                token_ids[i].extend(comp.token_ids)
+                if logprobs[i] is not None and comp.logprobs:
+                    logprobs[i].content.extend(
+                        self._logprobs(comp.token_ids, comp.logprobs).content)
+                if comp.finish_reason is not None:
+                    reasons[i] = (comp.finish_reason, comp.stop_reason)
+        return ChatCompletionResponse(
+            id=request_id, model=model,
+            choices=[ChatChoice(index=i, message=ChatMessageOut(content=texts[i]),
+                                logprobs=logprobs[i], finish_reason=reasons[i][0],
+                                stop_reason=reasons[i][1],
+                                token_ids=token_ids[i] if req.return_token_ids else None)
+                     for i in range(n)],
+            usage=usage(prompt_tokens, sum(len(t) for t in token_ids)))

@@ -1,0 +1,180 @@
+"""What completions and chat share: model check, sampling params, submitting prompts, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxserve.entrypoints.openai.errors import APIError, bad_request
+from jaxserve.entrypoints.openai.metrics import ServerMetrics
+from jaxserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty")
+_PASSED_SAMPLING = ("n", "seed", "stop", "min_tokens", "ignore_eos", "stop_token_ids",
+                    "skip_special_tokens", "include_stop_str_in_output")
+SAMPLING_FIELDS = _OPTIONAL_SAMPLING + _PASSED_SAMPLING + ("max_tokens", "logprobs")
+_PROMPT_FIELDS = ("prompt", "prompt_token_ids", "request_id", "cache_salt")
+DONE = "data: [DONE]\n\n"
+
+
+def sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # However the response ended (done, disconnect, send error), end the generation.
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, model_names: list[str], metrics: ServerMetrics):
+        self.llm = llm
+        self.model_names = model_names
+        self.metrics = metrics
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise APIError(400, f"model {name!r} does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in self.model_names)}", "model",
+                           "model_not_found")
+
+    def check_length(self, token_ids: list[int], param: str) -> None:
+        if len(token_ids) >= self.max_model_len:
+            raise APIError(400, f"{param}: the prompt has {len(token_ids)} tokens, but this "
+                           f"model's context length is {self.max_model_len} (the prompt must "
+                           "leave room for at least one generated token)", param,
+                           "context_length_exceeded")
+
+    def sampling_params(self, req: SamplingRequest, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported")
+        kwargs: dict[str, Any] = {name: getattr(req, name) for name in _PASSED_SAMPLING}
+        kwargs |= {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
+                   if getattr(req, name) is not None}
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        except ValueError as exc:
+            raise bad_request(exc, fields=SAMPLING_FIELDS) from None
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def start(self, request_id: str, prompts: list[dict[str, Any]], params: SamplingParams,
+                    req: SamplingRequest) -> list[AsyncIterator[RequestOutput]]:
+        """Submit every prompt and wait for each one's first output, so that a bad prompt
+        fails the whole request before any byte of the response is sent."""
+        gens = [self.llm.generate(p, params, f"{request_id}-{i}", priority=req.priority,
+                                  cache_salt=req.cache_salt) for i, p in enumerate(prompts)]
+        firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        errors = [f for f in firsts if isinstance(f, BaseException)]
+        if errors:
+            await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+            if isinstance(errors[0], ValueError):
+                raise bad_request(errors[0], fields=SAMPLING_FIELDS + _PROMPT_FIELDS) from None
+            raise errors[0]
+        return [_prepend(first, gen) for first, gen in zip(firsts, gens)]
+
+
+async def _prepend(first: RequestOutput, gen: AsyncIterator[RequestOutput],
+                   ) -> AsyncIterator[RequestOutput]:
+    try:
+        yield first
+        if not first.finished:
+            async for out in gen:
+                yield out
+    finally:
+        await gen.aclose()  # type: ignore[attr-defined]
+
+
+async def merge(gens: list[AsyncIterator[RequestOutput]],
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several prompts as they come, tagged with the prompt's index."""
+    if len(gens) == 1:
+        try:
+            async for out in gens[0]:
+                yield 0, out
+        finally:
+            await gens[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+        except Exception as exc:  # noqa: BLE001 (re-raised by the consumer)
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(gens)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def stream_error(exc: Exception) -> str:
+    """The last event of a stream that failed after its 200 was sent."""
+    error = exc if isinstance(exc, APIError) else APIError(
+        503 if isinstance(exc, EngineDeadError) else 500, f"{type(exc).__name__}: {exc}")
+    return f"data: {error.body().model_dump_json()}\n\n"
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run the handler's work, cancelling it if the client goes away first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait((task,))  # let the generations it started abort
+    return Response(status_code=499)  # "client closed request": nobody reads this

@@ -1,0 +1,165 @@
+"""`POST /v1/completions`: one or more prompts (text or token ids), streamed or not."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+
+from jaxserve.core.scheduler_output import Logprobs
+from jaxserve.entrypoints.openai.errors import APIError
+from jaxserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
+                                                  CompletionRequest, CompletionResponse)
+from jaxserve.entrypoints.openai.serving_common import (DONE, OpenAIServing, SSEResponse, merge,
+                                                        sse, stream_error, usage)
+from jaxserve.outputs import RequestOutput
+
+
+class _Choice:
+    """One choice of a non-streamed response, assembled from deltas."""
+
+    def __init__(self, text: str, want_logprobs: bool):
+        self.text = text
+        self.token_ids: list[int] = []
+        self.logprobs = CompletionLogprobs() if want_logprobs else None
+        self.offset = 0  # of the next token's text, for logprobs.text_offset
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, req: CompletionRequest) -> Response:
+        self.check_model(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", "suffix", "unsupported")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, f"best_of must equal n ({req.n}) here, got {req.best_of}",
+                           "best_of", "unsupported")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)",
+                           "echo", "unsupported")
+        prompts = self._prompts(req.prompt)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        gens = await self.start(request_id, prompts, params, req)
+        model = req.model or self.model_names[0]
+        echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
+        if req.stream:
+            return SSEResponse(self._stream(request_id, model, gens, params.n, echoes, req))
+        return JSONResponse((await self._collect(request_id, model, gens, params.n, echoes,
+                                                 req)).model_dump())
+
+    def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
+                 ) -> list[dict[str, Any]]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            items: list[Any] = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise APIError(400, "prompt must not be empty", "prompt")
+                if self.tokenizer is None:
+                    raise APIError(400, "prompt: this model has no tokenizer; send token ids",
+                                   "prompt")
+                ids = self.tokenizer.encode(item)
+                prompts.append({"prompt": item, "prompt_token_ids": ids})
+            else:
+                ids = list(item)
+                prompts.append({"prompt_token_ids": ids})
+            self.check_length(ids, "prompt")
+        return prompts
+
+    def _prompt_text(self, prompt: dict[str, Any]) -> str:
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        return "" if self.tokenizer is None else self.tokenizer.decode(prompt["prompt_token_ids"])
+
+    def _logprobs(self, token_ids: list[int], entries: list[Logprobs], offset: int,
+                  ) -> tuple[CompletionLogprobs, int]:
+        lp = CompletionLogprobs()
+        for token_id, entry in zip(token_ids, entries):
+            text = self.token_text(token_id)
+            top = {self.token_text(t): v for t, v in entry.top}
+            top.setdefault(text, entry.logprob)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(entry.logprob)
+            lp.top_logprobs.append(top)
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return lp, offset
+
+    async def _stream(self, request_id: str, model: str,
+                      gens: list[AsyncIterator[RequestOutput]], n: int, echoes: list[str],
+                      req: CompletionRequest) -> AsyncIterator[str]:
+        want_logprobs = req.logprobs is not None
+        trackers = [self.metrics.tracker() for _ in gens]
+        pending_echo = {i * n + j: echoes[i] for i in range(len(gens)) for j in range(n)
+                        if echoes[i]}
+        offsets: dict[int, int] = {}
+        prompt_tokens = completion_tokens = 0
+        seen: set[int] = set()
+        try:
+            async for i, out in merge(gens):
+                trackers[i].observe(out)
+                if i not in seen:
+                    seen.add(i)
+                    prompt_tokens += len(out.prompt_token_ids)
+                choices = []
+                for comp in out.outputs:
+                    index = i * n + comp.index
+                    completion_tokens += len(comp.token_ids)
+                    text = pending_echo.pop(index, "") + comp.text
+                    logprobs = None
+                    if want_logprobs and comp.logprobs:
+                        logprobs, offsets[index] = self._logprobs(
+                            comp.token_ids, comp.logprobs, offsets.get(index, 0))
+                    if text or logprobs or comp.finish_reason or (
+                            req.return_token_ids and comp.token_ids):
+                        choices.append(CompletionChoice(
+                            index=index, text=text, logprobs=logprobs,
+                            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                            token_ids=comp.token_ids if req.return_token_ids else None))
+                if choices:
+                    yield sse(CompletionResponse(id=request_id, model=model, choices=choices))
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse(CompletionResponse(id=request_id, model=model, choices=[],
+                                             usage=usage(prompt_tokens, completion_tokens)))
+        except Exception as exc:  # noqa: BLE001 (the status line has gone out already)
+            yield stream_error(exc)
+        yield DONE
+
+    async def _collect(self, request_id: str, model: str,
+                       gens: list[AsyncIterator[RequestOutput]], n: int, echoes: list[str],
+                       req: CompletionRequest) -> CompletionResponse:
+        choices = {i * n + j: _Choice(echoes[i], req.logprobs is not None)
+                   for i in range(len(gens)) for j in range(n)}
+        trackers = [self.metrics.tracker() for _ in gens]
+        prompt_tokens = 0
+        async for i, out in merge(gens):
+            trackers[i].observe(out)
+            if out.finished:
+                prompt_tokens += len(out.prompt_token_ids)
+            for comp in out.outputs:
+                choice = choices[i * n + comp.index]
+                choice.text += comp.text
+                choice.token_ids.extend(comp.token_ids)
+                if choice.logprobs is not None and comp.logprobs:
+                    lp, choice.offset = self._logprobs(comp.token_ids, comp.logprobs,
+                                                       choice.offset)
+                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        getattr(choice.logprobs, name).extend(getattr(lp, name))
+                if comp.finish_reason is not None:
+                    choice.finish_reason, choice.stop_reason = comp.finish_reason, comp.stop_reason
+        return CompletionResponse(
+            id=request_id, model=model,
+            choices=[CompletionChoice(index=k, text=c.text, logprobs=c.logprobs,
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                      token_ids=c.token_ids if req.return_token_ids else None)
+                     for k, c in sorted(choices.items())],
+            usage=usage(prompt_tokens, sum(len(c.token_ids) for c in choices.values())))

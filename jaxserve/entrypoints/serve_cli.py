@@ -1,0 +1,41 @@
+"""`jaxserve serve MODEL [engine args] [server args]`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from jaxserve.entrypoints.cli_args import add_engine_args, engine_kwargs
+
+API_KEY_ENV = "JAXSERVE_API_KEY"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    # Imported here: FastAPI and uvicorn are the [serve] extra, and slow to import.
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.entrypoints.openai.api_server import run_server
+
+    llm = AsyncLLM(args.model, max_queued_requests=args.max_queued_requests,
+                   **engine_kwargs(args, skip=("model",)))
+    run_server(llm, args.served_model_name or [args.model], args.host, args.port,
+               api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+               log_level=args.uvicorn_log_level)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible API")
+    serve.add_argument("model", help="checkpoint path (HF dir, .gguf, .bin, orbax) or 'dummy'")
+    add_engine_args(serve, skip=("model",))
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model' (default: the model argument)")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests that may wait for the engine; more get HTTP 503")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serve.set_defaults(func=cmd_serve)

@@ -1,0 +1,138 @@
+"""Bad requests get 400/401/503 with OpenAI error bodies; disconnects abort; the rest goes on."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from engine_helpers import assert_no_leaks
+from jaxserve import SamplingParams
+from server_helpers import MODEL_NAME, wait_engine_idle, wait_until
+
+LONG = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=100, temperature=0,
+            ignore_eos=True, stream=True)
+
+
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def _text_of(lines: list[str]) -> str:
+    return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines
+                   if line.startswith("data: {") and json.loads(line[6:])["choices"])
+
+
+def test_bad_requests_get_400_while_requests_in_flight_are_unaffected(served, offline):
+    url = f"{served.url}/v1/completions"
+    too_long = list(range(2, 2 + served.llm.max_model_len))
+    cases = [  # (body, expected param, words the message must hold)
+        (b'{"model": "tiny-llama", "prompt": "x"', None, "malformed JSON"),
+        ({"model": "gpt-4", "prompt": "x"}, "model", "'gpt-4' does not exist"),
+        ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p", "top_p must be in (0, 1]"),
+        ({"prompt": "x", "n": "three"}, "n", "valid integer"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
+        ({"prompt": "x", "logprobs": 1000}, "logprobs", "max_logprobs"),
+        ({"max_tokens": 3}, "prompt", "Field required"),
+        ({"prompt": ""}, "prompt", "must not be empty"),
+        ({"prompt": [10**6]}, "prompt_token_ids", "outside the vocabulary"),
+        ({"prompt": too_long}, "prompt", "context length is 128"),
+    ]
+    with httpx.Client(headers=served.headers, timeout=60) as http:
+        with http.stream("POST", url, json=LONG | {"max_tokens": 40}) as inflight:
+            assert inflight.status_code == 200
+            lines = inflight.iter_lines()
+            head = [next(lines) for _ in range(2)]
+            for body, param, words in cases:
+                resp = (http.post(url, content=body, headers={"Content-Type": "application/json"})
+                        if isinstance(body, bytes) else http.post(url, json=body))
+                error = _error(resp, 400)
+                assert words in error["message"] and error["param"] == param
+                assert error["type"] == "invalid_request_error"
+            chat = http.post(f"{served.url}/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "robot " * 200}]})
+            assert _error(chat, 400)["code"] == "context_length_exceeded"
+            text = _text_of(head + list(lines))
+    want = offline.generate("Once upon a time", SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    assert text == want
+    wait_engine_idle(served.llm)
+    served.llm.call_in_engine(assert_no_leaks).result()
+
+
+def test_the_api_key_is_required_on_v1_routes(served):
+    body = {"prompt": "x", "max_tokens": 2, "temperature": 0}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-key"}):
+        error = _error(httpx.post(f"{served.url}/v1/completions", json=body, headers=headers),
+                       401)
+        assert error["code"] == "invalid_api_key"
+    assert _error(httpx.get(f"{served.url}/v1/models"), 401)["type"] == "authentication_error"
+    assert httpx.get(f"{served.url}/health").status_code == 200
+    ok = httpx.post(f"{served.url}/v1/completions", json=body, headers=served.headers,
+                    timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_client_that_disconnects_has_its_request_aborted_and_blocks_freed(served):
+    llm = served.llm
+    before = llm.stats().num_generation_tokens
+    gate = threading.Event()
+    with httpx.Client(headers=served.headers, timeout=60) as http:
+        with http.stream("POST", f"{served.url}/v1/completions", json=LONG) as resp:
+            lines = resp.iter_lines()
+            assert [next(lines) for _ in range(6)]  # a few tokens in, then hang up
+        wait_until(lambda: llm.stats().num_unfinished == 0)  # the server saw it go
+        # A non-streamed request whose client gives up while it waits is dropped too.
+        try:
+            llm.call_in_engine(lambda e: gate.wait(30))
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(f"{served.url}/v1/completions", json=LONG | {"stream": False},
+                          timeout=0.5)
+            wait_until(lambda: llm.stats().num_unfinished == 0)
+        finally:
+            gate.set()
+    wait_engine_idle(llm)
+    llm.call_in_engine(assert_no_leaks).result()
+    assert llm.stats().num_generation_tokens - before < LONG["max_tokens"]
+    ok = httpx.post(f"{served.url}/v1/completions", headers=served.headers, timeout=60,
+                    json={"prompt": "Once", "max_tokens": 3, "ignore_eos": True,
+                          "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_full_queue_answers_503_and_recovers(served):
+    llm = served.llm
+    gate = threading.Event()
+    saved, llm.max_queued_requests = llm.max_queued_requests, 2
+    results: list[httpx.Response] = []
+
+    def post() -> None:
+        results.append(httpx.post(f"{served.url}/v1/completions", headers=served.headers,
+                                  json={"prompt": "Once", "max_tokens": 3, "temperature": 0},
+                                  timeout=60))
+
+    try:
+        llm.call_in_engine(lambda e: gate.wait(30))  # the engine admits nobody for now
+        waiting = [threading.Thread(target=post) for _ in range(2)]
+        for t in waiting:
+            t.start()
+        wait_until(lambda: llm.stats().num_unfinished == 2)
+        full = httpx.post(f"{served.url}/v1/completions", headers=served.headers, timeout=60,
+                          json={"prompt": "Once", "max_tokens": 3, "temperature": 0})
+        error = _error(full, 503)
+        assert error["code"] == "queue_full" and "max_queued_requests=2" in error["message"]
+        gate.set()
+        for t in waiting:
+            t.join(60)
+    finally:
+        gate.set()
+        llm.max_queued_requests = saved
+    assert [r.status_code for r in results] == [200, 200]
+    wait_engine_idle(llm)
+    llm.call_in_engine(assert_no_leaks).result()
