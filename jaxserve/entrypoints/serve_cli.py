@@ -17,15 +17,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     llm = AsyncLLM(args.model, max_queued_requests=args.max_queued_requests,
                    **engine_kwargs(args, skip=("model",)))
-    run_server(llm, args.served_model_name or [args.model], args.host, args.port,
-               api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+    run_server(llm, args.served_model_name or [args.model or "jaxserve-default"], args.host,
+               args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                log_level=args.uvicorn_log_level)
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible API")
-    serve.add_argument("model", help="checkpoint path (HF dir, .gguf, .bin, orbax) or 'dummy'")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="checkpoint path: HF dir, .gguf, llama2.c .bin, converted dir "
+                       "(default: the small model shipped with jaxserve)")
     add_engine_args(serve, skip=("model",))
     g = serve.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0")
