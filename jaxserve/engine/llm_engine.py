@@ -17,7 +17,7 @@ from jaxserve.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        self.core = EngineCore(config, loaded)
+        self.core = make_engine_core(config, loaded)
         worker = self.core.executor.worker
         self.tokenizer = worker.loaded.tokenizer
         self.input_processor = InputProcessor(
@@ -60,3 +60,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+
+def make_engine_core(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:
+    """The unified EngineCore, or the disaggregated one when `disaggregation` is configured
+    (same interface: add_request, abort_requests, step, has_unfinished_requests, stats)."""
+    if config.parallel.disaggregation is not None:
+        from jaxserve.distributed.disagg.core import DisaggregatedEngineCore
+
+        return DisaggregatedEngineCore(config, loaded)  # type: ignore[return-value]
+    return EngineCore(config, loaded)

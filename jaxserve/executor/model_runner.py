@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import EngineConfig, power_of_two_buckets
 from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.distributed.mesh import replicate, to_host
 from jaxserve.executor.input_batch import InputBatch, StepArrays
+from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_blocks,
+                                         padded_block_ids, scatter_blocks)
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.layers.sampler import (RowSpec, SamplerOutput, SamplingMetadata,
                                      make_sampling_metadata, sample)
@@ -41,17 +43,34 @@ class PendingStep(NamedTuple):
     out: SamplerOutput  # device arrays, possibly still being computed
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
-def _step(graphdef: nnx.GraphDef, backend: AttentionBackend, kv_sharding: NamedSharding,
-          state: nnx.State, k_cache: jax.Array, v_cache: jax.Array, input_ids: jax.Array,
-          md: AttentionMetadata, logits_indices: jax.Array, sampling: SamplingMetadata,
-          ) -> tuple[jax.Array, jax.Array, SamplerOutput]:
-    model = nnx.merge(graphdef, state)
-    hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, backend)
+class StepStatics:
+    """The jitted step's static arguments. jit hashes static arguments on every call, and an
+    NNX GraphDef takes milliseconds to hash, so the hash is computed once here."""
+
+    def __init__(self, graphdef: nnx.GraphDef, backend: AttentionBackend,
+                 kv_sharding: NamedSharding):
+        self.graphdef, self.backend, self.kv_sharding = graphdef, backend, kv_sharding
+        self._key = (graphdef, backend, kv_sharding)
+        self._hash = hash(self._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, StepStatics) and self._hash == other._hash
+                                 and self._key == other._key)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _step(statics: StepStatics, state: nnx.State, k_cache: jax.Array, v_cache: jax.Array,
+          input_ids: jax.Array, md: AttentionMetadata, logits_indices: jax.Array,
+          sampling: SamplingMetadata) -> tuple[jax.Array, jax.Array, SamplerOutput]:
+    model = nnx.merge(statics.graphdef, state)
+    hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend)
     logits = model.compute_logits(hidden[logits_indices])
     # Pin the cache's layout so the donated buffers come back exactly as they went in.
-    k_cache = jax.lax.with_sharding_constraint(k_cache, kv_sharding)
-    v_cache = jax.lax.with_sharding_constraint(v_cache, kv_sharding)
+    k_cache = jax.lax.with_sharding_constraint(k_cache, statics.kv_sharding)
+    v_cache = jax.lax.with_sharding_constraint(v_cache, statics.kv_sharding)
     return k_cache, v_cache, sample(logits, sampling)
 
 
@@ -68,6 +87,7 @@ class ModelRunner:
         block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.batch = InputBatch(block_size, self.max_blocks_per_seq)
+        self.block_buckets = block_buckets(self.max_blocks_per_seq)
         sched = config.scheduler
         self.token_buckets = sorted(config.runner.token_buckets or power_of_two_buckets(
             min(16, sched.max_num_batched_tokens), sched.max_num_batched_tokens))
@@ -81,8 +101,8 @@ class ModelRunner:
                              f"got {self.request_buckets}")
         # One module-level jit: engines with the same model structure and step shapes share
         # compiled executables within a process.
-        self.graphdef, self.params = nnx.split(model)
-        self.backend = backend
+        graphdef, self.params = nnx.split(model)
+        self.statics = StepStatics(graphdef, backend, self.kv_sharding)
         self.compiled_shapes: set[tuple[Any, ...]] = set()
         self.num_compilations = 0
         self.warmed_up = False
@@ -133,8 +153,8 @@ class ModelRunner:
         input_ids, md, logits_indices, sampling = replicate(
             (arrays.input_ids, md, arrays.logits_indices, sampling), self.mesh)
         self.k_cache, self.v_cache, out = _step(
-            self.graphdef, self.backend, self.kv_sharding, self.params, self.k_cache,
-            self.v_cache, input_ids, md, logits_indices, sampling)
+            self.statics, self.params, self.k_cache, self.v_cache, input_ids, md,
+            logits_indices, sampling)
         return out
 
     @staticmethod
@@ -147,6 +167,55 @@ class ModelRunner:
                     list(zip(ids[i, :row.params.logprobs].tolist(),
                              lps[i, :row.params.logprobs].tolist())))
                 for i, row in enumerate(rows)]
+
+    # ---- whole KV blocks in and out (disaggregated prefill/decode) ------------------------
+    def read_blocks(self, block_ids: list[int], heads: tuple[int, ...],
+                    ) -> tuple[jax.Array, jax.Array]:
+        """Dispatch a copy of these blocks' KV, `[L, len(heads), n_padded, BS, D]`, with the
+        given source head for each output head, sharded by head on this mesh where possible."""
+        ids = padded_block_ids(block_ids, self.block_buckets)
+        self._count_shape(("read_blocks", len(ids), heads))
+        tp = self.mesh.shape["model"]
+        spec = P(None, "model") if len(heads) % tp == 0 else P()
+        return gather_blocks(self.k_cache, self.v_cache, ids, heads, NamedSharding(self.mesh, spec))
+
+    def write_blocks(self, block_ids: list[int], k: jax.Array | np.ndarray,
+                     v: jax.Array | np.ndarray) -> None:
+        """Write KV for these blocks: host arrays of exactly len(block_ids) blocks, or arrays
+        already padded to the bucket (as `read_blocks` returns them)."""
+        ids = padded_block_ids(block_ids, self.block_buckets)
+        if isinstance(k, np.ndarray) and k.shape[2] == len(block_ids):
+            k, v = pad_blocks(k, len(ids)), pad_blocks(v, len(ids))
+        expected = (*self.k_cache.shape[:2], len(ids), *self.k_cache.shape[3:])
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"KV blocks of shape {tuple(k.shape)} do not fit this cache: "
+                             f"expected {expected}")
+        self._count_shape(("write_blocks", len(ids)))
+        self.k_cache, self.v_cache = scatter_blocks(self.k_cache, self.v_cache, ids, k, v)
+
+    def warm_up_blocks(self, heads: tuple[int, ...] | None, write: bool) -> None:
+        """Compile block reads (for destination layout `heads`) and/or writes, every bucket.
+        Call before serving: the writes store zeros, which is what a fresh cache holds."""
+        warmed, self.warmed_up = self.warmed_up, False  # these compilations are expected
+        try:
+            for n in self.block_buckets:
+                ids = list(range(n))
+                if heads is not None:
+                    jax.block_until_ready(self.read_blocks(ids, heads))
+                if write:
+                    zeros = np.zeros((*self.k_cache.shape[:2], n, *self.k_cache.shape[3:]),
+                                     self.k_cache.dtype)
+                    self.write_blocks(ids, zeros, zeros)
+            jax.block_until_ready(self.k_cache)
+        finally:
+            self.warmed_up = warmed
+
+    def _count_shape(self, key: tuple[Any, ...]) -> None:
+        if key not in self.compiled_shapes:
+            if self.warmed_up and self.config.runner.strict_compile:
+                raise UnexpectedCompilationError(f"shape {key} was not compiled at warm-up")
+            self.compiled_shapes.add(key)
+            self.num_compilations += 1
 
     # ---- warm-up -------------------------------------------------------------------------
     def warm_up(self) -> float:

@@ -1,0 +1,130 @@
+"""The disaggregated engine (prefill TP 4 on 4 devices, decode TP 2 x DP 2 on the other 4, KV
+moved device to device) gives the unified engine's tokens and HF's greedy tokens, including
+prefix hits on the prefill side, back-pressure from a full decode side, and aborts in flight."""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import pytest
+
+from disagg_helpers import (ENGINE, GREEDY, SPLIT, assert_no_disagg_leaks, drain, prefix_prompt,
+                            tokens, workload)
+from jaxserve import LLM, LLMEngine, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.distributed.disagg.core import DisaggEngineStats, DisaggregatedEngineCore
+from jaxserve.engine.async_llm import AsyncLLM
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (forced) CPU devices")
+
+
+def _engine(path: str, cache_dir: str) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(model=path, compilation_cache_dir=cache_dir,
+                                              disaggregation=SPLIT, **ENGINE))
+
+
+@pytest.mark.slow
+def test_tokens_equal_the_unified_engine_with_prefix_hits_backpressure_and_aborts(
+        gqa8, compile_cache_dir, reference):
+    engine = _engine(gqa8, compile_cache_dir)
+    assert isinstance(engine.core, DisaggregatedEngineCore)
+    core = engine.core
+    engine.add_request("warm", {"prompt_token_ids": prefix_prompt()}, GREEDY)
+    finished: dict = {}
+    drain(engine, finished)  # the shared prefix is now cached on the prefill side
+
+    prompts, params = workload()
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    engine.add_request("late", {"prompt_token_ids": prompts[0]}, GREEDY)
+    max_parked, aborted = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        max_parked = max(max_parked, engine.stats().num_parked)
+        assert all(len(s.running) <= 4 for s in core.decode.schedulers)
+        if not aborted and len(core.parked) >= 2:
+            parents = [r for r in core.parked if "_" not in r]  # not an n > 1 child
+            aborted["parked"] = parents[-1]  # first token out, KV not moved yet
+            aborted["decoding"] = next(r.request_id for s in core.decode.schedulers
+                                       for r in s.running if "_" not in r.request_id)
+            aborted["prefilling"] = "late"
+            assert "late" in core.prefilling
+            engine.abort_request(list(aborted.values()))
+    assert max_parked >= 2  # the decode side was full: requests waited, none failed
+    assert set(aborted.values()).isdisjoint(finished)  # LLMEngine drops aborted requests
+    for i, want in enumerate(reference):
+        if f"r{i}" not in aborted.values():
+            assert tokens(finished[f"r{i}"]) == want, f"request r{i}"
+    assert_no_disagg_leaks(engine)
+
+    stats = engine.stats()
+    assert isinstance(stats, DisaggEngineStats)
+    assert stats.prefill.prefix_cache_hits >= 3 * 32  # the family hit the cached prefix
+    assert stats.decode.prefix_cache_queries == 0  # the decode side never prefills a prompt
+    transferred = [len(prefix_prompt())] + [  # prompt lengths, one per sample moved
+        len(p) for i, (p, sp) in enumerate(zip(prompts, params))
+        for _ in range(sp.n) if sp.max_tokens > 1 and f"r{i}" != aborted["parked"]]
+    bytes_per_block = 2 * 2 * 2 * 16 * 8 * 4  # K and V x layers x decode KV heads x BS x D x f32
+    assert stats.num_transfers == len(transferred)
+    assert stats.transfer_bytes == bytes_per_block * sum(-(-n // 16) for n in transferred)
+    split = stats.mean_ttft_split
+    assert split is not None and min(split.prefill, split.transfer, split.first_decode) >= 0
+
+
+def test_llm_and_async_llm_work_unchanged_over_the_disaggregated_core(gqa8, compile_cache_dir,
+                                                                      reference):
+    prompts, params = workload()
+    llm = LLM(gqa8, compilation_cache_dir=compile_cache_dir, disaggregation=SPLIT, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], GREEDY, use_tqdm=False)
+    assert [tokens(o) for o in outs] == reference[:3]
+
+    async def stream(llm: AsyncLLM, prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for out in llm.generate({"prompt_token_ids": prompt}, GREEDY):
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def run() -> list[list[int]]:
+        async_llm = AsyncLLM.from_engine(LLMEngine(llm.engine.config))
+        try:
+            return await asyncio.gather(*(stream(async_llm, p) for p in prompts[3:6]))
+        finally:
+            async_llm.shutdown()
+
+    assert asyncio.run(run()) == [r[0] for r in reference[3:6]]
+
+
+def test_a_decode_side_too_small_for_one_sequence_or_missing_devices_fail_at_start_up(gqa8):
+    small = {**SPLIT, "decode": {**SPLIT["decode"], "num_kv_blocks": 8}}
+    with pytest.raises(ValueError, match="disaggregation.decode: num_kv_blocks 8 cannot hold"):
+        LLM(gqa8, disaggregation=small, **ENGINE)
+    far = {"prefill": {"num_devices": 4}, "decode": {"devices": [8, 9]}}
+    with pytest.raises(ValueError, match="only 8 are present"):
+        LLM(gqa8, disaggregation=far, **ENGINE)
+
+
+def test_first_token_stop_and_sampling_params_reach_the_prefill_side(gqa8, compile_cache_dir):
+    engine = _engine(gqa8, compile_cache_dir)
+    prompt = prefix_prompt()
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request("one", {"prompt_token_ids": prompt}, params)
+    finished: dict = {}
+    drain(engine, finished)
+    assert len(finished["one"].outputs[0].token_ids) == 1
+    assert finished["one"].outputs[0].finish_reason == "length"
+    assert engine.stats().num_transfers == 0  # nothing left to decode: nothing moved
+    assert_no_disagg_leaks(engine)
+
+
+def test_after_warm_up_nothing_compiles_not_even_block_transfers(gqa8, compile_cache_dir,
+                                                                 reference):
+    llm = LLM(gqa8, compilation_cache_dir=compile_cache_dir, disaggregation=SPLIT,
+              precompile=True, strict_compile=True, **ENGINE)  # strict: raises on a compile
+    before = llm.stats().num_compilations
+    prompts, params = workload()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [tokens(o) for o in outs] == reference
+    assert llm.stats().num_compilations == before
