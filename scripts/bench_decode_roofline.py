@@ -1,0 +1,130 @@
+"""Decode step time of the dummy ~30M Llama against the memory-bandwidth bound (and, since a CPU
+runs out of FLOPs first at larger batches, the compute bound).
+
+A decode step must read every weight once (the embedding only for its rows) and each
+sequence's KV; at the machine's measured bandwidth that takes at least `bytes / bandwidth`.
+Bandwidth: the best of a numpy copy (bytes read + written) and a jitted jax reduction (bytes
+read) over arrays far larger than the caches. Compute: 2 FLOPs per weight per token plus the
+attention's 4 x heads x head_dim x context per layer and token, at the GFLOP/s of a large jitted
+float32 matmul.
+
+    python scripts/bench_decode_roofline.py [--batches 1,8,32] [--contexts 128,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from bench_common import (DUMMY_CONFIG_DIR, StepTimer, fill_decoding, make_engine,
+                          markdown_table, write_result)
+
+
+def measure_bandwidth(mib: int = 512, repeats: int = 5) -> dict[str, float]:
+    """GB/s of a numpy copy (read + write counted) and of a jax sum (read)."""
+    import jax
+    import jax.numpy as jnp
+
+    n = mib * 2**20 // 4
+    src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
+    copy = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        copy.append(time.perf_counter() - start)
+    x = jnp.ones(n, jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    read = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        read.append(time.perf_counter() - start)
+    return {"numpy copy": 2 * src.nbytes / min(copy) / 1e9,
+            "jax sum (read)": x.nbytes / min(read) / 1e9}
+
+
+def measure_matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    mm(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mm(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--contexts", default="128,512")
+    p.add_argument("--steps", type=int, default=8)
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+
+    engine = make_engine(DUMMY_CONFIG_DIR, load_format="dummy", dtype="float32",
+                         max_model_len=1024, block_size=16, num_kv_blocks=1200,
+                         max_num_seqs=max(batches), max_num_batched_tokens=512,
+                         token_buckets=sorted({*batches, 512}), request_buckets=batches,
+                         enable_prefix_caching=False, precompile=True)
+    cfg = engine.core.model_config
+    params = engine.core.executor.worker.loaded.params
+    weight_bytes = sum(v.nbytes for k, v in params.items() if k != "embed")
+    embed_row_bytes = params["embed"].nbytes // cfg.vocab_size
+    kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    bandwidth = measure_bandwidth()
+    gbps = max(bandwidth.values())
+    gflops = measure_matmul_gflops()
+    flops_per_token = 2 * sum(v.size for k, v in params.items() if k != "embed")
+
+    timer = StepTimer(engine)
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            ids = fill_decoding(engine, b, ctx, cfg.vocab_size, prefix=f"b{b}c{ctx}-")
+            timer.step()
+            timer.reset()
+            for _ in range(args.steps):
+                timer.step()
+            step_ms = timer.per_step_ms()["step"]
+            device_ms = timer.device_only_ms()
+            kv_bytes = b * (ctx + 2 + args.steps // 2) * kv_token_bytes
+            moved = weight_bytes + b * embed_row_bytes + kv_bytes
+            bound_ms = moved / (gbps * 1e9) * 1e3
+            attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
+            compute_ms = b * (flops_per_token + attn_flops) / (gflops * 1e9) * 1e3
+            roof = max(bound_ms, compute_ms)
+            rows.append([b, ctx, step_ms, device_ms, weight_bytes / 2**20, kv_bytes / 2**20,
+                         bound_ms, compute_ms, f"{100 * bound_ms / device_ms:.0f}%",
+                         f"{100 * roof / device_ms:.0f}%", f"{100 * roof / step_ms:.0f}%"])
+            engine.abort_request(ids)
+            engine.step()
+    timer.close()
+
+    body = (f"dummy ~30M Llama (8 layers, hidden 512, 4 KV heads x 64, vocab 8192), float32, xla "
+            f"attention backend. Memory bandwidth: "
+            + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items())
+            + f"; the bound uses {gbps:.1f} GB/s. Matmul: {gflops:.0f} GFLOP/s (jitted "
+            "1024x1024 float32).\n\n"
+            + markdown_table(["batch", "context", "engine step ms", "device-only ms",
+                              "weights MiB", "KV MiB", "memory bound ms", "compute bound ms",
+                              "memory bound / device-only", "roofline / device-only",
+                              "roofline / step"], rows)
+            + "\n\nmemory bound = (weights + the batch's embedding rows + KV of every sequence) "
+            "/ bandwidth; compute bound = FLOPs / matmul rate; roofline = the larger; "
+            "device-only = the jitted step replayed on inputs already on the device; engine step "
+            "= the whole LLMEngine.step (host work included). A percentage is the share of the "
+            "bound reached (100% = at the bound).")
+    write_result("bench_decode_roofline", "Decode step against the memory-bandwidth bound", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Host overhead per decode step at 64, 256 and 1024 running requests, as a share of the step.
+
+A tiny model (stories260K's shape, random weights) keeps the device part small, so what is left
+is the host: scheduler.schedule(), the runner's input prep (persistent batch update, ragged
+arrays, sampling metadata), the jitted call's dispatch, update_from_output and output
+processing. Timed from outside by wrapping those methods (bench_common.StepTimer).
+
+    python scripts/bench_host_overhead.py [--running 64,256,1024] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from bench_common import StepTimer, fill_decoding, make_engine, markdown_table, write_result
+
+TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--running", default="64,256,1024")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prompt-len", type=int, default=8)
+    args = p.parse_args()
+    sizes = [int(n) for n in args.running.split(",")]
+    largest = max(sizes)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(TINY))
+        blocks_per_req = -(-(args.prompt_len + args.steps + 2) // 16)
+        engine = make_engine(tmp, load_format="dummy", max_model_len=256, block_size=16,
+                             num_kv_blocks=largest * blocks_per_req + 64,
+                             max_num_seqs=largest, max_num_batched_tokens=largest,
+                             token_buckets=sorted(set(sizes)), request_buckets=sorted(set(sizes)),
+                             precompile=True)
+        timer = StepTimer(engine)
+        rows = []
+        for n in sizes:
+            ids = fill_decoding(engine, n, args.prompt_len, TINY["vocab_size"], prefix=f"n{n}-")
+            for _ in range(2):  # the first decode steps of a new batch size warm caches
+                timer.step()
+            timer.reset()
+            for _ in range(args.steps):
+                timer.step()
+            ms = timer.per_step_ms()
+            device = timer.device_only_ms()
+            host = ms["step"] - device
+            rows.append([n, ms["step"], ms["schedule"], ms["prep"], ms["to_device"],
+                         ms["jit_call"], ms["device"], ms["update"], ms["output"], device, host,
+                         f"{100 * host / ms['step']:.0f}%"])
+            engine.abort_request(ids)
+            engine.step()  # let the scheduler drop them
+        timer.close()
+
+    body = ("Decode steps only (every request past its prefill), "
+            f"{args.steps} steps each; ms per step. Tiny model: stories260K's shape (dim 64, "
+            "5 layers, vocab 512), random weights, xla attention backend.\n\n"
+            + markdown_table(["running", "step", "schedule", "input prep", "to device",
+                              "jit call", "wait", "update", "output proc.", "device only",
+                              "host overhead", "host share"], rows)
+            + "\n\nschedule = Scheduler.schedule; input prep = persistent-batch update, ragged "
+            "arrays and sampling metadata; to device = device_put of the step inputs; jit call "
+            "= the jitted step until it returns (on CPU this can include the compute); wait = "
+            "fetching the sampled ids; update = update_from_output + recording the ids; output "
+            "proc. = detokenising and RequestOutputs. device only = the same jitted step "
+            "replayed on inputs already on the device, blocking (compute + a bare dispatch); "
+            "host overhead = step - device only; host share = host overhead / step.")
+    write_result("bench_host_overhead", "Host overhead per step", body)
+
+
+if __name__ == "__main__":
+    main()

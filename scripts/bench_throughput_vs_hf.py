@@ -1,0 +1,212 @@
+"""Output tokens/s of jaxserve against HF transformers at its best, same weights, same workload.
+
+Both engines get the same concurrency (`--max-num-seqs`). HF runs (a) `generate` over static
+batches at each of several batch sizes up to that (each batch generates to its longest request,
+EOS ignored, as a `generate` user must; the best batch size counts) and (b) its own
+continuous-batching manager (`continuous_batching_context_manager`, per-request max_new_tokens).
+HF uses whichever torch thread count (1 or 2) a short probe finds faster: on a busy 2-core
+machine, 2 OpenMP threads can be 5-10x slower than 1. Start-up work is excluded for everyone:
+jaxserve precompiles, HF warms up.
+
+    python scripts/bench_throughput_vs_hf.py [--models dummy-30m,stories260k]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench_common import (Workload, dummy_hf_checkpoint, find_stories, make_engine, make_workload,
+                          markdown_table, run_engine, stories_hf_checkpoint, write_result)
+
+ENGINE_ARGS = dict(load_format="hf", dtype="float32", max_model_len=512, block_size=16,
+                   num_kv_blocks=1024, max_num_batched_tokens=512,
+                   token_buckets=[16, 32, 64, 128, 256, 512], precompile=True)
+# Per model: requests per workload, concurrency, HF batch sizes; sized so that the dummy model
+# (~100x the compute of stories260K per token) also finishes in a few minutes.
+MODEL_DEFAULTS = {
+    "dummy-30m": dict(mixed_requests=16, decode_requests=8, max_num_seqs=8, hf_batch_sizes=[4, 8]),
+    "stories260k": dict(mixed_requests=48, decode_requests=32, max_num_seqs=16,
+                        hf_batch_sizes=[4, 8, 16]),
+}
+
+
+@dataclass
+class HFResult:
+    label: str
+    seconds: float
+    output_tokens: int  # useful tokens (what the requests asked for)
+    token_ids: list[list[int]] | None = None
+
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def workloads(args: argparse.Namespace, vocab: int) -> list[Workload]:
+    return [make_workload("mixed", args.mixed_requests, (16, 256), (16, 256), vocab, args.seed),
+            make_workload("decode-heavy", args.decode_requests, (32, 32), (256, 256), vocab,
+                          args.seed + 1)]
+
+
+def pick_torch_threads(model: Any, batch_size: int, vocab: int) -> int:
+    import torch
+
+    best, best_s = 1, float("inf")
+    ids = torch.randint(3, vocab, (batch_size, 32))
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+            seconds = time.perf_counter() - start
+        if seconds < best_s:
+            best, best_s = threads, seconds
+    torch.set_num_threads(best)
+    return best
+
+
+def hf_static(model: Any, w: Workload, batch_size: int) -> HFResult:
+    import torch
+
+    outs: list[list[int]] = []
+    start = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(w.prompts), batch_size):
+            prompts, lens = w.prompts[i:i + batch_size], w.output_lens[i:i + batch_size]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
+                                 min_new_tokens=max(lens), do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+            outs += [gen[j, width:width + n].tolist() for j, n in enumerate(lens)]
+    return HFResult(f"static bs={batch_size}", time.perf_counter() - start, w.num_output_tokens,
+                    outs)
+
+
+def hf_continuous(model: Any, w: Workload, max_batch_tokens: int, max_seqs: int) -> HFResult:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    gen_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                                  max_new_tokens=max(w.output_lens))
+    cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens,
+                                         max_requests_per_batch=max_seqs)
+    hints = WorkloadHints(max_prompt_length=max(map(len, w.prompts)),
+                          max_generated_length=max(w.output_lens), num_requests=len(w.prompts))
+    with model.continuous_batching_context_manager(
+            generation_config=gen_config, continuous_batching_config=cb_config, block=True,
+            timeout=30, workload_hints=hints) as manager:  # warm-up happens on entry
+        start = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(w.prompts, w.output_lens)]
+        results: dict[str, Any] = {}
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=5)
+            if r is not None and r.is_finished():
+                results[r.request_id] = r
+            elif r is None and not manager.is_running():
+                raise RuntimeError("HF continuous batching stopped early")
+        seconds = time.perf_counter() - start
+    tokens = [list(results[i].generated_tokens) for i in ids]
+    return HFResult("continuous batching", seconds, sum(map(len, tokens)), tokens)
+
+
+def bench_model(name: str, hf_dir: Path, cli: argparse.Namespace) -> tuple[list, list]:
+    import torch
+    import transformers
+
+    args = argparse.Namespace(**{**vars(cli), **{k: v for k, v in MODEL_DEFAULTS[name].items()
+                                                 if getattr(cli, k) is None}})
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=torch.float32, attn_implementation="sdpa").eval()
+    vocab = hf.config.vocab_size
+    seqs = args.max_num_seqs
+    engine = make_engine(hf_dir, max_num_seqs=seqs,
+                         request_buckets=sorted({min(b, seqs) for b in (8, 16, 32, 64)}),
+                         **ENGINE_ARGS)
+    warm = make_workload("warm-up", 4, (16, 64), (4, 8), vocab, seed=99)
+    run_engine(engine, warm, prefix="warm")
+    threads = pick_torch_threads(hf, seqs, vocab)
+    hf_static(hf, warm, 4)
+
+    summary, detail = [], []
+    for w in workloads(args, vocab):
+        if w.name not in args.workloads:
+            continue
+        js = run_engine(engine, w, prefix=w.name)
+        js_tokens = {int(o.request_id[len(w.name):]): o.outputs[0].token_ids for o in js.outputs}
+        hf_runs = [hf_static(hf, w, bs) for bs in args.hf_batch_sizes if bs <= seqs]
+        if not args.skip_hf_cb:
+            try:
+                hf_runs.append(hf_continuous(hf, w, ENGINE_ARGS["max_num_batched_tokens"], seqs))
+            except Exception as e:  # noqa: BLE001 (report it, keep the rest of the table)
+                print(f"HF continuous batching failed on {name}/{w.name}: {e!r}")
+        best = max(hf_runs, key=lambda r: r.throughput)
+        same = sum(js_tokens[i] == best.token_ids[i] for i in range(len(w.prompts)))
+        summary.append([name, w.name, len(w.prompts), seqs, w.num_output_tokens,
+                        js.output_throughput, best.throughput, best.label,
+                        js.output_throughput / best.throughput, f"{same}/{len(w.prompts)}"])
+        rows = [[name, w.name, "jaxserve", js.elapsed_s, js.output_throughput]]
+        rows += [[name, w.name, f"HF {r.label} ({threads} thr)", r.seconds, r.throughput]
+                 for r in hf_runs]
+        print(markdown_table(["model", "workload", "engine", "s", "output tok/s"], rows),
+              flush=True)
+        detail += rows
+    return summary, detail
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="dummy-30m,stories260k")
+    p.add_argument("--workloads", default="mixed,decode-heavy")
+    p.add_argument("--mixed-requests", type=int, default=None, help="default: per model")
+    p.add_argument("--decode-requests", type=int, default=None, help="default: per model")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="concurrency of both engines (default: per model)")
+    p.add_argument("--hf-batch-sizes", default=None, help="e.g. 4,8,16; capped at "
+                   "--max-num-seqs (default: per model)")
+    p.add_argument("--skip-hf-cb", action="store_true", help="skip HF continuous batching")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.hf_batch_sizes is not None:
+        args.hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    args.workloads = args.workloads.split(",")
+    summary, detail = [], []
+    for name in args.models.split(","):
+        if name == "dummy-30m":
+            hf_dir = dummy_hf_checkpoint()
+        elif name == "stories260k":
+            stories = find_stories()
+            if stories is None:
+                print("stories260K not found: skipped")
+                continue
+            hf_dir = stories_hf_checkpoint(stories)
+        else:
+            raise ValueError(f"--models: unknown model {name!r} (dummy-30m, stories260k)")
+        s, d = bench_model(name, hf_dir, args)
+        summary += s
+        detail += d
+    body = ("Both engines get the same concurrency (column): jaxserve's max_num_seqs, HF's "
+            "largest static batch and its continuous batching's max_requests_per_batch. Greedy, "
+            "EOS ignored; mixed: prompts and outputs uniform in 16-256 tokens; decode-heavy: "
+            "32-token prompts, 256 output tokens. Ratio = jaxserve / best HF. Same greedy "
+            "tokens: requests whose jaxserve output equals the best HF run's.\n\n"
+            + markdown_table(["model", "workload", "requests", "concurrency", "output tokens",
+                              "jaxserve tok/s",
+                              "best HF tok/s", "best HF", "ratio", "same greedy tokens"], summary)
+            + "\n\nEvery run, side by side (seconds exclude start-up/warm-up):\n\n"
+            + markdown_table(["model", "workload", "engine", "seconds", "output tok/s"], detail))
+    write_result("bench_throughput_vs_hf", "Throughput against HF transformers", body)
+
+
+if __name__ == "__main__":
+    main()
