@@ -64,7 +64,7 @@ def main() -> None:
                      decodes.output_lens + longs.output_lens)
 
     rows = [["steady (no long prompt)", "-", pct_ms(steady_itl, 50), pct_ms(steady_itl, 99),
-             pct_ms(steady_itl, 100), "-", "1.0x"]]
+             pct_ms(steady_itl, 100), "-", "1.0x", steady.num_compilations]]
     steady_p99 = pct_ms(steady_itl, 99)
     for t in thresholds:
         scheduler_config.long_prefill_token_threshold = t
@@ -74,7 +74,7 @@ def main() -> None:
                      if index_of(o) >= args.decodes]
         rows.append([f"threshold {t}" if t else "threshold off", t or "-", pct_ms(itl, 50),
                      pct_ms(itl, 99), pct_ms(itl, 100), pct_ms(long_ttft, 50),
-                     f"{pct_ms(itl, 99) / steady_p99:.1f}x"])
+                     f"{pct_ms(itl, 99) / steady_p99:.1f}x", r.num_compilations])
     scheduler_config.long_prefill_token_threshold = 0
 
     body = (f"dummy ~30M Llama (random weights), token budget 512/step, {args.decodes} decoding "
@@ -82,7 +82,8 @@ def main() -> None:
             f"{args.long_prompts} prompts of {args.long_len} tokens arriving while they run. "
             "ITL over the decoding requests only.\n\n"
             + markdown_table(["run", "threshold", "ITL p50 ms", "ITL p99 ms", "ITL max ms",
-                              "long prompt TTFT p50 ms", "p99 / steady p99"], rows))
+                              "long prompt TTFT p50 ms", "p99 / steady p99",
+                              "compilations in the run"], rows))
     write_result("bench_chunked_prefill", "Chunked prefill: ITL while long prompts arrive", body)
 
 
