@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
@@ -37,6 +39,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     long_prefill_token_threshold: int = 0
+    # At most this many requests get prefill tokens in one step (0: no cap); decodes never wait
+    max_num_partial_prefills: int = 0
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
     # False: V0-style steps of prefills only or decodes only (for comparison; V1 mixes them)
@@ -78,13 +82,14 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        """Build from flat engine arguments (`max_num_seqs=8`, ...); unknown names are errors."""
+        """Build from flat engine arguments (`max_num_seqs=8`, ...); unknown names and values of
+        the wrong type are errors. Paths (`os.PathLike`) are accepted where a string is."""
+        check_engine_args(kwargs)
         config = cls()
         for name, value in kwargs.items():
-            section = _SECTION_OF.get(name)
-            if section is None:
-                raise ValueError(f"unknown engine argument {name!r}")
-            setattr(getattr(config, section), name, value)
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)
+            setattr(getattr(config, _SECTION_OF[name]), name, value)
         config.validate()
         return config
 
@@ -119,9 +124,8 @@ class EngineConfig:
         if not 0.0 < c.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{c.gpu_memory_utilization}")
-        if not isinstance(s.long_prefill_token_threshold, int) or s.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be an integer >= 0, got "
-                             f"{s.long_prefill_token_threshold!r}")
+        _non_negative(s, "long_prefill_token_threshold")
+        _non_negative(s, "max_num_partial_prefills")
         if s.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got "
                              f"{s.scheduling_policy!r}")
@@ -150,15 +154,56 @@ class EngineConfig:
 
 
 _SECTIONS = ("model", "cache", "scheduler", "runner", "parallel")
-_SECTION_OF = {f.name: section for section, cls in zip(_SECTIONS, (
-    ModelConfig, CacheConfig, SchedulerConfig, RunnerConfig, ParallelConfig)) for f in fields(cls)}
+_SECTION_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, RunnerConfig, ParallelConfig)
+_SECTION_OF = {f.name: section for section, cls in zip(_SECTIONS, _SECTION_CLASSES)
+               for f in fields(cls)}
 ENGINE_ARGS = tuple(_SECTION_OF)
+_TYPE_OF = {f.name: str(f.type) for cls in _SECTION_CLASSES for f in fields(cls)}  # "int | None"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# Checks per type annotation; an annotation not listed here (a mapping) is left to `validate`.
+_TYPE_CHECKS = {
+    "None": lambda v: v is None,
+    "bool": lambda v: isinstance(v, bool),
+    "int": _is_int,
+    "float": lambda v: _is_int(v) or isinstance(v, float),
+    "str": lambda v: isinstance(v, (str, os.PathLike)),
+    "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+}
+
+
+def check_engine_args(args: Mapping[str, Any], where: str = "") -> None:
+    """Unknown names and values of the wrong type are a ValueError naming the argument, as
+    `where.name` when `where` is given (`engine.max_num_seqs` in a batch spec)."""
+    for name, value in args.items():
+        label = f"{where}.{name}" if where else name
+        hint = _TYPE_OF.get(name)
+        if hint is None:
+            close = difflib.get_close_matches(name, ENGINE_ARGS, n=1)
+            maybe = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{label}: unknown engine argument{maybe}")
+        options = hint.split(" | ")
+        if any(o not in _TYPE_CHECKS for o in options):
+            continue
+        if not any(_TYPE_CHECKS[o](value) for o in options):
+            raise ValueError(f"{label} must be {hint}, got {value!r} "
+                             f"({type(value).__name__})")
 
 
 def _positive(section: Any, name: str) -> None:
     value = getattr(section, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not _is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _non_negative(section: Any, name: str) -> None:
+    value = getattr(section, name)
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
@@ -170,4 +215,4 @@ def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
 
 
 __all__ = ["EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig", "RunnerConfig",
-           "ParallelConfig", "ENGINE_ARGS", "power_of_two_buckets"]
+           "ParallelConfig", "ENGINE_ARGS", "check_engine_args", "power_of_two_buckets"]

@@ -2,8 +2,10 @@
 
 There is no prefill or decode phase. Every request has `num_computed_tokens` and `num_tokens`,
 and each step hands it up to `min(remaining, long_prefill_token_threshold, budget)` tokens, so
-prefill chunks and decodes share a step. Preemption is by recompute: the victim's blocks are freed
-and it goes back to the front of the waiting queue (its prefix usually comes back from the cache).
+prefill chunks and decodes share a step. `max_num_partial_prefills` (> 0) caps how many requests
+get prefill tokens in one step (running ones first, in order, then admissions); decodes are never
+capped. Preemption is by recompute: the victim's blocks are freed and it goes back to the front
+of the waiting queue (its prefix usually comes back from the cache).
 """
 
 from __future__ import annotations
@@ -96,16 +98,17 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: set[str] = set()
+        prefills: set[str] = set()  # requests given prefill tokens this step
 
-        budget = self._schedule_running(budget, num_scheduled, cached, preempted)
+        budget = self._schedule_running(budget, num_scheduled, cached, preempted, prefills)
         if self._phase == "prefill" and not num_scheduled and not preempted \
                 and not self._can_admit():
             # V0-style steps: no prefill can run (no seat or blocks), so run the decodes.
             self._phase = "decode"
-            budget = self._schedule_running(budget, num_scheduled, cached, preempted)
+            budget = self._schedule_running(budget, num_scheduled, cached, preempted, prefills)
 
         if not preempted and self._phase != "decode":
-            budget = self._admit_waiting(budget, num_scheduled, new_reqs)
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs, prefills)
 
         if self._transferred:
             new_reqs.extend(self._pop_transferred())
@@ -121,21 +124,28 @@ class Scheduler:
         return out
 
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
-                          cached: CachedRequestData, preempted: set[str]) -> int:
+                          cached: CachedRequestData, preempted: set[str],
+                          prefills: set[str]) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._num_new_tokens(request, budget)
+            prefilling = _is_prefilling(request)
+            # Over the cap, a prefill just sits this step out: no preemption, it keeps its blocks.
+            num_new = 0 if prefilling and self._prefill_cap_reached(prefills) \
+                else self._num_new_tokens(request, budget)
             if num_new == 0:
                 i += 1
                 continue
             while (block_ids := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
-                if self.running.index(victim) < i:  # priority policy: already scheduled, refund
+                if self.running.index(victim) < i:  # priority policy: an earlier one
                     i -= 1
-                    budget += num_scheduled.pop(victim.request_id)
-                    j = cached.req_ids.index(victim.request_id)
-                    del cached.req_ids[j], cached.new_block_ids[j], cached.num_computed_tokens[j]
+                    if victim.request_id in num_scheduled:  # already scheduled: refund
+                        budget += num_scheduled.pop(victim.request_id)
+                        prefills.discard(victim.request_id)
+                        j = cached.req_ids.index(victim.request_id)
+                        del (cached.req_ids[j], cached.new_block_ids[j],
+                             cached.num_computed_tokens[j])
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
@@ -146,16 +156,21 @@ class Scheduler:
             cached.new_block_ids.append(block_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled[request.request_id] = num_new
+            if prefilling:
+                prefills.add(request.request_id)
             budget -= num_new
             i += 1
         return budget
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
-                       new_reqs: list[NewRequestData]) -> int:
+                       new_reqs: list[NewRequestData], prefills: set[str]) -> int:
         deferred: list[Request] = []
         prefilling = {r.group_id for r in self.running
                       if r.num_computed_tokens < r.num_prompt_tokens}
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Every admission counts as a prefill, checked before the prefix lookup (which would
+        # count a query in the hit-rate stats on every step the cap holds the request back).
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and not self._prefill_cap_reached(prefills):
             request = self.waiting[0]
             if request.group_id is not None and request.group_id in prefilling:
                 # A sibling (n > 1) is computing the shared prompt: wait one step, then hit
@@ -188,6 +203,7 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit))
             num_scheduled[request.request_id] = num_new
+            prefills.add(request.request_id)
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
         return budget
@@ -200,13 +216,19 @@ class Scheduler:
         pending = bool(self.waiting) or any(_is_prefilling(r) for r in self.running)
         return "prefill" if pending else "decode"
 
+    def _prefill_cap_reached(self, prefills: set[str]) -> bool:
+        cap = self.config.max_num_partial_prefills
+        return cap > 0 and len(prefills) >= cap
+
     def _can_admit(self) -> bool:
         """Whether the first waiting request could start now (a seat and its blocks)."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
         request = self.waiting[0]
         needed = -(-request.num_tokens // self.kv.block_size)
-        return needed <= self.kv.num_free_blocks + len(self.kv.find_cached_prefix(request))
+        # A cached block nobody holds is already one of the free blocks: count it once.
+        held = sum(1 for block in self.kv.find_cached_prefix(request) if block.ref_cnt > 0)
+        return needed <= self.kv.num_free_blocks + held
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if self._phase is not None and (self._phase == "prefill") != _is_prefilling(request):

@@ -26,7 +26,7 @@ from typing import IO, Any
 import numpy as np
 import yaml
 
-from jaxserve.config import ENGINE_ARGS
+from jaxserve.config import check_engine_args  # also imported from here by scripts/sweep.py
 from jaxserve.sampling_params import SamplingParams
 
 SPEC_KEYS = ("engine_preset", "engine", "input", "output", "sampling", "summary_output",
@@ -70,38 +70,6 @@ def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{what}: {path} must hold a mapping, got {type(data).__name__}")
     return data
-
-
-def check_engine_args(args: dict[str, Any], where: str) -> None:
-    """Unknown names and values of the wrong type, named (`engine.max_num_seqs`)."""
-    from jaxserve.config import (CacheConfig, ModelConfig, ParallelConfig, RunnerConfig,
-                                 SchedulerConfig)
-
-    types = {f.name: str(f.type) for cls in (ModelConfig, CacheConfig, SchedulerConfig,
-                                             RunnerConfig, ParallelConfig) for f in fields(cls)}
-    for name, value in args.items():
-        if name not in ENGINE_ARGS:
-            raise ValueError(f"{where}.{name}: unknown engine argument")
-        hint = types[name]
-        if value is None:
-            if "None" not in hint:
-                raise ValueError(f"{where}.{name} must not be null")
-            continue
-        if hint.startswith("bool"):
-            ok = isinstance(value, bool)
-        elif hint.startswith("int"):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif hint.startswith("float"):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif hint.startswith("str"):
-            ok = isinstance(value, str)
-        elif hint.startswith("list[int]"):
-            ok = isinstance(value, list) and all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value)
-        else:
-            ok = True
-        if not ok:
-            raise ValueError(f"{where}.{name} must be {hint}, got {value!r}")
 
 
 def check_sampling(overrides: Any, where: str) -> SamplingParams:

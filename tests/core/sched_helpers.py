@@ -68,9 +68,10 @@ class Harness:
     def __init__(self, *, num_blocks: int = 64, block_size: int = BS, budget: int = 16,
                  max_num_seqs: int = 8, threshold: int = 0, chunked: bool = True,
                  policy: str = "fcfs", mixed: bool = True, caching: bool = True,
-                 max_model_len: int = 4096) -> None:
+                 max_model_len: int = 4096, max_partial: int = 0) -> None:
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                  long_prefill_token_threshold=threshold,
+                                 max_num_partial_prefills=max_partial,
                                  enable_chunked_prefill=chunked, scheduling_policy=policy,
                                  enable_mixed_batching=mixed)
         cache = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
@@ -154,6 +155,8 @@ def check_step(h: Harness, record: StepRecord) -> None:
     assert all(n >= 1 for n in counts.values())
     if cfg.long_prefill_token_threshold > 0:
         assert all(n <= cfg.long_prefill_token_threshold for n in counts.values())
+    if cfg.max_num_partial_prefills > 0:
+        assert sum(not record.is_decode(r) for r in counts) <= cfg.max_num_partial_prefills
     new_ids, cached_ids = record.new_ids, out.scheduled_cached_reqs.req_ids
     assert len(set(new_ids) | set(cached_ids)) == len(new_ids) + len(cached_ids)
     assert set(new_ids) | set(cached_ids) == set(counts)

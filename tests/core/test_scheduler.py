@@ -328,6 +328,20 @@ def test_without_mixed_batching_recompute_after_preemption_is_not_mixed_with_dec
         assert len({rec.is_decode(r) for r in rec.out.num_scheduled_tokens}) <= 1
 
 
+def test_without_mixed_batching_a_free_cached_block_counts_once_so_decodes_run() -> None:
+    """r1 is preempted; its cached first block sits in the free queue. Counting that block both
+    as free and as a hit made every step a prefill step that could admit nobody: a hang."""
+    h = Harness(mixed=False, budget=6, chunked=False, max_num_seqs=2, num_blocks=3)
+    h.add("r0", [10], max_tokens=3)
+    h.add("r1", [10, 10, 10, 10], max_tokens=2)
+    for i in range(2, 5):
+        h.add(f"r{i}", [10], max_tokens=1)
+    h.run(max_steps=40)
+    assert h.sched.num_preemptions > 0
+    assert h.all["r0"].output_token_ids == expected_outputs(3)
+    h.assert_no_leaks()
+
+
 # ---- n > 1 siblings --------------------------------------------------------------------------
 def test_sibling_waits_while_the_shared_prompt_is_computed_then_hits_it() -> None:
     h = Harness(budget=8, threshold=4)
@@ -395,6 +409,8 @@ def workloads(draw: st.DrawFn) -> tuple[dict, list[Arrival]]:
            "policy": draw(st.sampled_from(["fcfs", "priority"])),
            "caching": draw(st.booleans()),
            "max_num_seqs": draw(st.integers(1, 6)),
+           "max_partial": draw(st.sampled_from([0, 0, 1, 2])),
+           "mixed": draw(st.booleans()),
            # every request fits the pool alone, so preemption always ends
            "num_blocks": -(-longest // BS) + 1 + draw(st.sampled_from([0, 0, 1, 2, 3, 6, 12]))}
     if not cfg["chunked"]:

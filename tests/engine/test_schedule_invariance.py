@@ -30,6 +30,7 @@ SETTINGS = {
     "no_prefix_caching": {"enable_prefix_caching": False},
     "threshold_small": {"long_prefill_token_threshold": 8},
     "threshold_large": {"long_prefill_token_threshold": 64},
+    "one_partial_prefill": {"long_prefill_token_threshold": 8, "max_num_partial_prefills": 1},
     "budget_chunks_every_prompt": {"max_num_batched_tokens": 16},
     "one_seq_at_a_time": {"max_num_seqs": 1},
     "max_num_seqs_64": {"max_num_seqs": 64, "request_buckets": [4, 16, 64]},

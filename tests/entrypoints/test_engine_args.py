@@ -1,0 +1,92 @@
+"""Engine arguments: one type check (config.check_engine_args) behind `EngineConfig.from_kwargs`,
+`LLM(...)`, batch specs and the CLI; errors name the argument."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jaxserve.config import ENGINE_ARGS, EngineConfig, check_engine_args
+from jaxserve.entrypoints.cli_args import add_engine_args, engine_kwargs
+
+
+@pytest.mark.parametrize("name, value", [
+    ("max_num_seqs", "8"),
+    ("max_num_seqs", 8.0),
+    ("max_num_seqs", True),  # a bool is not an integer here
+    ("max_num_seqs", None),  # not optional
+    ("enable_prefix_caching", "yes"),
+    ("gpu_memory_utilization", "0.5"),
+    ("dtype", 32),
+    ("token_buckets", [16, "32"]),
+    ("token_buckets", 16),
+    ("max_model_len", 1.5),
+    ("max_num_partial_prefills", "1"),
+])
+def test_from_kwargs_rejects_a_wrong_type_naming_the_argument(name: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"^{name} must be "):
+        EngineConfig.from_kwargs(**{name: value})
+
+
+def test_from_kwargs_rejects_an_unknown_key_and_suggests_the_near_one() -> None:
+    with pytest.raises(ValueError, match="max_num_seq: unknown engine argument.*'max_num_seqs'"):
+        EngineConfig.from_kwargs(max_num_seq=8)
+    with pytest.raises(ValueError, match="^zzz: unknown engine argument$"):
+        EngineConfig.from_kwargs(zzz=1)
+
+
+def test_from_kwargs_accepts_right_types_optional_nulls_and_paths(tmp_path: Path) -> None:
+    config = EngineConfig.from_kwargs(
+        model=tmp_path, max_num_seqs=8, gpu_memory_utilization=1, max_model_len=None,
+        token_buckets=[16, 32], enable_prefix_caching=False, max_num_partial_prefills=2)
+    assert config.model.model == str(tmp_path)  # a Path is stored as its string
+    assert config.scheduler.max_num_seqs == 8 and config.scheduler.max_num_partial_prefills == 2
+    assert config.cache.gpu_memory_utilization == 1 and config.model.max_model_len is None
+    assert config.runner.token_buckets == [16, 32] and config.cache.enable_prefix_caching is False
+
+
+def test_llm_rejects_a_string_for_an_integer_before_loading_anything() -> None:
+    from jaxserve import LLM
+
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(max_num_seqs="8")
+
+
+def test_the_where_prefix_names_the_argument_in_its_document() -> None:
+    with pytest.raises(ValueError, match=r"^engine\.max_num_seqs must be int, got 'four'"):
+        check_engine_args({"max_num_seqs": "four"}, "engine")
+    with pytest.raises(ValueError, match=r"^grid\.blok_size: unknown engine argument"):
+        check_engine_args({"blok_size": 16}, "grid")
+    check_engine_args({"max_num_seqs": 4, "disaggregation": "split.yaml"}, "engine")
+
+
+@pytest.mark.parametrize("value", [-1, 1.5])
+def test_max_num_partial_prefills_must_be_a_non_negative_integer(value: Any) -> None:
+    config = EngineConfig.from_kwargs()
+    config.scheduler.max_num_partial_prefills = value  # past from_kwargs: validate still checks
+    with pytest.raises(ValueError, match="max_num_partial_prefills must be an integer >= 0"):
+        config.validate()
+
+
+def test_cli_flag_for_max_num_partial_prefills_reaches_the_scheduler_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--max-num-partial-prefills", "2",
+                              "--long-prefill-token-threshold", "64"])
+    kwargs = engine_kwargs(args)
+    assert kwargs == {"max_num_partial_prefills": 2, "long_prefill_token_threshold": 64}
+    config = EngineConfig.from_kwargs(**kwargs)
+    assert config.scheduler.max_num_partial_prefills == 2
+    assert EngineConfig.from_kwargs().scheduler.max_num_partial_prefills == 0  # default: off
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-num-partial-prefills", "two"])
+
+
+def test_every_engine_argument_round_trips_through_the_type_check() -> None:
+    kwargs = EngineConfig.from_kwargs().to_kwargs()
+    assert set(kwargs) == set(ENGINE_ARGS)
+    check_engine_args(kwargs)  # the defaults themselves pass
+    assert EngineConfig.from_kwargs(**kwargs).to_kwargs() == kwargs
