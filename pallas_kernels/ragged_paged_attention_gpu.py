@@ -101,7 +101,7 @@ def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [L, Hkv, NB, BS, D]
     v_cache: jax.Array,  # [L, Hkv, NB, BS, D]
-    layer: jax.Array,  # i32[]
+    layer: int | jax.Array,  # i32[]
     seq_lens: jax.Array,  # i32[R]
     block_tables: jax.Array,  # i32[R, P]
     query_start_loc: jax.Array,  # i32[R + 1]

@@ -20,7 +20,7 @@ _MASK_VALUE = -1e30  # finite, so fully masked rows (padding) give 0 instead of 
 def write_kv(
     k_cache: jax.Array,  # [L, Hkv, NB, BS, D]
     v_cache: jax.Array,  # [L, Hkv, NB, BS, D]
-    layer: jax.Array,  # i32[]
+    layer: int | jax.Array,  # static from the model's unrolled layers; tests pass i32[]
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # i32[T]  block_id * block_size + offset; padding -> null block 0
@@ -44,7 +44,7 @@ def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [L, Hkv, NB, BS, D]
     v_cache: jax.Array,  # [L, Hkv, NB, BS, D]
-    layer: jax.Array,  # i32[]
+    layer: int | jax.Array,  # a static index from the model's unrolled layers; tests pass i32[]
     seq_lens: jax.Array,  # i32[R]      KV length of each request after this step
     block_tables: jax.Array,  # i32[R, P]
     query_start_loc: jax.Array,  # i32[R + 1]
@@ -52,11 +52,17 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    kv_chunk_tokens: int = 256,
+    kv_chunk_tokens: int = 128,
+    items_per_iter: int = 8,
 ) -> jax.Array:  # [T, Hq, D]
-    """Cut each request's rows into tiles of TQ rows, gather each tile's KV through its
-    request's block table one chunk of pages at a time (online softmax), looping only as far as
-    the longest sequence in the step, and scatter the tiles' rows back."""
+    """Split-KV attention with work proportional to the KV each row can see.
+
+    Each request's rows are cut into tiles of TQ rows; a work item is one tile against one chunk
+    of `kv_chunk_tokens` of its KV (only the chunks up to the tile's last position, and from its
+    first position's window). A loop runs ceil(items / items_per_iter) times, each iteration
+    gathering its items' pages, computing their partial softmax (max, sum, weighted V), and
+    folding them into per-tile accumulators. Padding tiles and short sequences beside a long
+    one cost nothing, unlike a loop over every tile to the longest sequence."""
     T, Hq, D = q.shape
     R = seq_lens.shape[0]
     Hkv, BS = k_cache.shape[1], k_cache.shape[3]
@@ -64,55 +70,76 @@ def ragged_paged_attention(
     P = block_tables.shape[1]
     TQ = query_tile_size(T, R)
     NT = -(-T // TQ) + (R * (TQ - 1)) // TQ  # enough tiles whatever the split of T over R
-    pages_per_chunk = max(1, min(P, kv_chunk_tokens // BS))
-    num_chunks_max = -(-P // pages_per_chunk)
-    pad = num_chunks_max * pages_per_chunk - P
-    tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+    C = max(1, min(P, kv_chunk_tokens // BS))  # pages per chunk
+    S = C * BS  # KV positions per chunk
+    tables = jnp.pad(block_tables, ((0, 0), (0, -(-P // C) * C - P)))
+    W = min(items_per_iter, NT)
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # i32[R]
     tiles_per_req = (q_lens + TQ - 1) // TQ
     tiles_end = jnp.cumsum(tiles_per_req)
     tile = jnp.arange(NT, dtype=jnp.int32)
     req = jnp.clip(jnp.searchsorted(tiles_end, tile, side="right", method="compare_all"),
-                   0, R - 1).astype(jnp.int32)  # i32[NT]
+                   0, R - 1).astype(jnp.int32)
     first_row = query_start_loc[req] + (tile - (tiles_end[req] - tiles_per_req[req])) * TQ
     rows = first_row[:, None] + jnp.arange(TQ, dtype=jnp.int32)  # i32[NT, TQ]
-    valid = (tile < tiles_end[-1])[:, None] & (rows < query_start_loc[req + 1][:, None])
+    tile_valid = tile < tiles_end[-1]  # bool[NT]
+    valid = tile_valid[:, None] & (rows < query_start_loc[req + 1][:, None])
     q_pos = seq_lens[req][:, None] - query_start_loc[req + 1][:, None] + rows  # i32[NT, TQ]
+    # The KV chunks a tile needs: up to its last row's position; from its first row's window.
+    last_pos = jnp.max(jnp.where(valid, q_pos, -1), axis=1)  # i32[NT]
+    chunk_hi = (last_pos + S) // S  # exclusive
+    if sliding_window is None:
+        chunk_lo = jnp.zeros_like(chunk_hi)
+    else:
+        first_pos = jnp.min(jnp.where(valid, q_pos, jnp.iinfo(jnp.int32).max), axis=1)
+        chunk_lo = jnp.clip(first_pos - sliding_window + 1, 0) // S
+    n_items = jnp.where(tile_valid, jnp.maximum(chunk_hi - chunk_lo, 0), 0)  # i32[NT]
+    items_end = jnp.cumsum(n_items)
+    total = items_end[-1]
+
     qt = q[jnp.clip(rows, 0, T - 1)].astype(jnp.float32) * sm_scale  # [NT, TQ, Hq, D]
     qt = qt.reshape(NT, TQ, Hkv, G, D)
 
-    def chunk(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
-        m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(tables, c * pages_per_chunk, pages_per_chunk, 1)
-        pages = pages[req]  # i32[NT, C]
-        k = k_cache[layer, :, pages].astype(jnp.float32)  # [NT, C, Hkv, BS, D]
+    def body(it: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
+        m, l, acc = carry  # per tile: running max, softmax sum, weighted V
+        item = it * W + jnp.arange(W, dtype=jnp.int32)  # i32[W]
+        it_tile = jnp.clip(jnp.searchsorted(items_end, item, side="right", method="compare_all"),
+                           0, NT - 1).astype(jnp.int32)
+        it_chunk = chunk_lo[it_tile] + item - (items_end[it_tile] - n_items[it_tile])  # i32[W]
+        live = item < total
+        pages = jax.vmap(lambda r, c: jax.lax.dynamic_slice_in_dim(tables[r], c * C, C))(
+            req[it_tile], jnp.where(live, it_chunk, 0))  # i32[W, C]
+        k = k_cache[layer, :, pages].astype(jnp.float32)  # [W, C, Hkv, BS, D]
         v = v_cache[layer, :, pages].astype(jnp.float32)
-        s = jnp.einsum("nqhgd,nchsd->nhqgcs", qt, k).reshape(NT, Hkv, TQ, G, -1)
+        s = jnp.einsum("wqhgd,wchsd->whqgcs", qt[it_tile], k).reshape(W, Hkv, TQ, G, S)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        kv_pos = c * pages_per_chunk * BS + jnp.arange(pages_per_chunk * BS, dtype=jnp.int32)
-        mask = (kv_pos[None, None, :] <= q_pos[..., None]) & valid[..., None]  # [NT, TQ, S]
+        kv_pos = it_chunk[:, None] * S + jnp.arange(S, dtype=jnp.int32)  # [W, S]
+        qp = q_pos[it_tile]  # [W, TQ]
+        mask = (kv_pos[:, None, :] <= qp[..., None]) & (valid[it_tile] & live[:, None])[..., None]
         if sliding_window is not None:
-            mask &= kv_pos[None, None, :] > q_pos[..., None] - sliding_window
-        mask = mask[:, None, :, None, :]
+            mask &= kv_pos[:, None, :] > qp[..., None] - sliding_window
+        mask = mask[:, None, :, None, :]  # [W, 1, TQ, 1, S]
         s = jnp.where(mask, s, _MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None]) * mask
+        m_i = s.max(-1)  # [W, Hkv, TQ, G]
+        p = jnp.exp(s - m_i[..., None]) * mask  # a fully masked row: m_i = -1e30, p = 0
+        l_i = p.sum(-1)
+        a_i = jnp.einsum("whqgcs,wchsd->whqgd", p.reshape(W, Hkv, TQ, G, C, BS), v)
+        # Fold into the tiles (one tile may own several of this iteration's items): raise each
+        # tile's max first, then rescale its old sums and the items' sums to that max.
+        dest = jnp.where(live, it_tile, NT)  # dead items fall off the end
+        m_new = m.at[dest].max(m_i, mode="drop")
         scale = jnp.exp(m - m_new)
-        l = l * scale + p.sum(-1)
-        pv = jnp.einsum("nhqgcs,nchsd->nhqgd",
-                        p.reshape(NT, Hkv, TQ, G, pages_per_chunk, BS), v)
-        acc = acc * scale[..., None] + pv
+        beta = jnp.exp(m_i - m_new[it_tile])
+        l = (l * scale).at[dest].add(l_i * beta, mode="drop")
+        acc = (acc * scale[..., None]).at[dest].add(a_i * beta[..., None], mode="drop")
         return m_new, l, acc
 
-    max_len = jnp.max(seq_lens)
-    num_chunks = jnp.minimum((max_len + pages_per_chunk * BS - 1) // (pages_per_chunk * BS),
-                             num_chunks_max)
     shape = (NT, Hkv, TQ, G)
     init = (jnp.full(shape, _MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros((*shape, D), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, chunk, init)
+    _, l, acc = jax.lax.fori_loop(0, (total + W - 1) // W, body, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
     out = out.transpose(0, 2, 1, 3, 4).reshape(NT * TQ, Hq, D)  # rows of tiles, heads
     dest = jnp.where(valid, rows, T).reshape(-1)  # invalid rows fall off the end

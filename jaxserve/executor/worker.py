@@ -3,6 +3,8 @@ cache, builds the model runner."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 from pathlib import Path
@@ -56,7 +58,8 @@ class Worker:
         self.mesh = mesh or rank_meshes(config.parallel)[0]
         self.dtype = dtype_of(m.dtype)
         tp = self.mesh.shape[AXIS]
-        if loaded is None and restores_sharded(config):
+        restored = loaded is None and restores_sharded(config)
+        if restored:
             self.loaded = self._restore_sharded(m.model)  # params already on their devices
             cfg, placed = self.loaded.config, self.loaded.params
         else:
@@ -71,6 +74,8 @@ class Worker:
         self.model_config = cfg
         self.max_model_len = m.max_model_len or cfg.max_position_embeddings
         self.model = Llama(cfg, placed, self.dtype)
+        if restored:  # the model holds per-layer copies; drop the stacked device arrays
+            self.loaded = dataclasses.replace(self.loaded, params={})
         self.num_blocks = self._num_kv_blocks()
         self.kv_sharding = kv_cache_sharding(self.mesh)
         k_cache, v_cache = jax.jit(

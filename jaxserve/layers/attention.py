@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from pallas_kernels import reference
@@ -42,11 +43,11 @@ class AttentionBackend:
     kernel: AttendFn
     mesh: Mesh | None = None
 
-    def write(self, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array,
+    def write(self, k_cache: jax.Array, v_cache: jax.Array, layer: int, k: jax.Array,
               v: jax.Array, md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
         return reference.write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
 
-    def attend(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+    def attend(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
                md: AttentionMetadata, **kwargs: object) -> jax.Array:
         def kernel(q, k_cache, v_cache, layer, seq_lens, block_tables, query_start_loc):
             return self.kernel(q, k_cache, v_cache, layer, seq_lens, block_tables,
@@ -55,6 +56,7 @@ class AttentionBackend:
         args = (q, k_cache, v_cache, layer, md.seq_lens, md.block_tables, md.query_start_loc)
         if self.name == "xla" or self.mesh is None or self.mesh.shape["model"] == 1:
             return kernel(*args)
+        args = (q, k_cache, v_cache, jnp.int32(layer), *args[4:])  # shard_map takes arrays
         heads, cache = P(None, "model", None), P(None, "model")
         return jax.shard_map(kernel, mesh=self.mesh,
                              in_specs=(heads, cache, cache, P(), P(), P(), P()),

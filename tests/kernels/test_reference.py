@@ -41,6 +41,19 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("window,cap", [(None, None), (6, None), (None, 5.0)])
 def test_reference_matches_naive_attention(case, window, cap):
+    check_against_naive(case, window, cap, items_per_iter=8)
+
+
+@pytest.mark.parametrize("items_per_iter", [1, 3])
+@pytest.mark.parametrize("window", [None, 20])
+def test_work_items_fold_into_tiles_in_any_grouping(items_per_iter, window):
+    """Several chunks of one tile in one iteration, or one chunk per iteration, and windows
+    that start a tile's work past its first chunk: all the same attention."""
+    check_against_naive("mixed", window, None, items_per_iter)
+    check_against_naive("one_long_prefill", window, None, items_per_iter)
+
+
+def check_against_naive(case, window, cap, items_per_iter):
     q_lens, kv_lens = CASES[case]
     rng = np.random.default_rng(0)
     k_cache = rng.standard_normal((L, HKV, NB, BS, D)).astype(np.float32)
@@ -55,9 +68,10 @@ def test_reference_matches_naive_attention(case, window, cap):
     qsl = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * 2]).astype(np.int32)
     seq_lens = np.array(kv_lens + [0, 0], np.int32)
     out = ragged_paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache),
-                                 jnp.int32(1), jnp.asarray(seq_lens), jnp.asarray(tables),
+                                 1, jnp.asarray(seq_lens), jnp.asarray(tables),
                                  jnp.asarray(qsl), sm_scale=D ** -0.5, sliding_window=window,
-                                 soft_cap=cap, kv_chunk_tokens=16)
+                                 soft_cap=cap, kv_chunk_tokens=16,
+                                 items_per_iter=items_per_iter)
     out = np.asarray(out)
     ref = naive(q, k_cache, v_cache, 1, q_lens, kv_lens, tables, window, cap)
     n = sum(q_lens)

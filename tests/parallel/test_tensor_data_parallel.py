@@ -41,7 +41,8 @@ def test_per_device_weight_and_kv_bytes_shrink_as_one_over_tp(hf_checkpoint, com
     for tp in (1, 2, 4):
         w = LLM(str(path), tensor_parallel_size=tp, compilation_cache_dir=compile_cache_dir,
                 **SMALL_ENGINE).engine.core.executor.worker
-        sharded = [p[...] for name, p in w.model.layers.items() if name.startswith("w")]
+        sharded = [p[...] for layer in w.model.layers for name, p in layer.items()
+                   if name.startswith("w")]
         sharded += [w.model.embed[...], w.model.lm_head[...]]
         sizes[tp] = (_device0_bytes(sharded), _device0_bytes([w.runner.k_cache, w.runner.v_cache]))
     for tp in (2, 4):
@@ -111,8 +112,8 @@ def test_orbax_checkpoint_restores_each_shard_onto_its_device(compile_cache_dir,
     monkeypatch.setattr(worker, "load_model", no_host_copy)
     llm = LLM(str(dst), tensor_parallel_size=2, compilation_cache_dir=compile_cache_dir,
               **SMALL_ENGINE)
-    wq = llm.engine.core.executor.worker.model.layers["wq"][...]
-    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
+    wq = llm.engine.core.executor.worker.model.layers[0]["wq"][...]
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "model")
     assert wq.addressable_shards[0].data.shape[-1] * 2 == wq.shape[-1]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
