@@ -29,7 +29,7 @@ def main() -> None:
     engine = make_engine(DUMMY_CONFIG_DIR, load_format="dummy", max_model_len=1024,
                          block_size=16, num_kv_blocks=1024, max_num_seqs=16,
                          max_num_batched_tokens=512,
-                         token_buckets=[16, 32, 64, 128, 256, 512], request_buckets=[8, 16],
+                         token_buckets=[8, 16, 32, 64, 128, 256, 512], request_buckets=[8, 16],
                          enable_prefix_caching=False, precompile=True)
     scheduler_config = engine.core.scheduler.config  # read at every step
     w = make_workload("mixed", args.requests, (64, 512), (16, 96), VOCAB, args.seed)

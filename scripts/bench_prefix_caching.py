@@ -21,7 +21,7 @@ from bench_common import (DUMMY_CONFIG_DIR, Workload, make_engine, make_workload
 
 ENGINE_ARGS = dict(load_format="dummy", dtype="float32", max_model_len=1024, block_size=16,
                    num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=512,
-                   token_buckets=[16, 32, 64, 128, 256, 512], request_buckets=[8, 16],
+                   token_buckets=[8, 16, 32, 64, 128, 256, 512], request_buckets=[8, 16],
                    precompile=True)
 VOCAB = 8192
 

@@ -24,7 +24,7 @@ from bench_common import (Workload, dummy_hf_checkpoint, find_stories, make_engi
 
 ENGINE_ARGS = dict(load_format="hf", dtype="float32", max_model_len=512, block_size=16,
                    num_kv_blocks=1024, max_num_batched_tokens=512,
-                   token_buckets=[16, 32, 64, 128, 256, 512], precompile=True)
+                   token_buckets=[8, 16, 32, 64, 128, 256, 512], precompile=True)
 # Per model: requests per workload, concurrency, HF batch sizes; sized so that the dummy model
 # (~100x the compute of stories260K per token) also finishes in a few minutes.
 MODEL_DEFAULTS = {

@@ -25,6 +25,7 @@ from jaxserve.distributed.mesh import replicate, to_host
 from jaxserve.executor.input_batch import InputBatch, StepArrays
 from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_blocks,
                                          padded_block_ids, scatter_blocks)
+from jaxserve.executor.packing import PackedLayout, pack, unpack
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.layers.sampler import (RowSpec, SamplerOutput, SamplingMetadata,
                                      make_sampling_metadata, sample)
@@ -61,10 +62,11 @@ class StepStatics:
                                  and self._key == other._key)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _step(statics: StepStatics, state: nnx.State, k_cache: jax.Array, v_cache: jax.Array,
-          input_ids: jax.Array, md: AttentionMetadata, logits_indices: jax.Array,
-          sampling: SamplingMetadata) -> tuple[jax.Array, jax.Array, SamplerOutput]:
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
+def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
+          v_cache: jax.Array, inputs: jax.Array) -> tuple[jax.Array, jax.Array, SamplerOutput]:
+    # inputs: i32[n], the packed (input_ids, AttentionMetadata, logits_indices, SamplingMetadata)
+    input_ids, md, logits_indices, sampling = unpack(layout, inputs)
     model = nnx.merge(statics.graphdef, state)
     hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend)
     logits = model.compute_logits(hidden[logits_indices])
@@ -89,8 +91,10 @@ class ModelRunner:
         self.batch = InputBatch(block_size, self.max_blocks_per_seq)
         self.block_buckets = block_buckets(self.max_blocks_per_seq)
         sched = config.scheduler
+        # From 8 tokens: a decode step of a few requests pays for its bucket's rows in every
+        # matmul, so 8 decodes padded to 16 rows would cost ~1.3x on CPU.
         self.token_buckets = sorted(config.runner.token_buckets or power_of_two_buckets(
-            min(16, sched.max_num_batched_tokens), sched.max_num_batched_tokens))
+            min(8, sched.max_num_batched_tokens), sched.max_num_batched_tokens))
         self.request_buckets = sorted(config.runner.request_buckets or power_of_two_buckets(
             min(8, sched.max_num_seqs), sched.max_num_seqs))
         if self.token_buckets[-1] < sched.max_num_batched_tokens:
@@ -150,11 +154,10 @@ class ModelRunner:
         md = AttentionMetadata(positions=arrays.positions, slot_mapping=arrays.slot_mapping,
                                query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
                                block_tables=arrays.block_tables)
-        input_ids, md, logits_indices, sampling = replicate(
-            (arrays.input_ids, md, arrays.logits_indices, sampling), self.mesh)
+        inputs, layout = pack((arrays.input_ids, md, arrays.logits_indices, sampling))
         self.k_cache, self.v_cache, out = _step(
-            self.statics, self.params, self.k_cache, self.v_cache, input_ids, md,
-            logits_indices, sampling)
+            self.statics, layout, self.params, self.k_cache, self.v_cache,
+            replicate(inputs, self.mesh))
         return out
 
     @staticmethod
