@@ -11,6 +11,8 @@ are the last q_len positions of the sequence, so causality is kv_pos <= seq_len 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
@@ -33,13 +35,6 @@ def write_kv(
     return k_cache, v_cache
 
 
-def query_tile_size(num_tokens: int, num_reqs: int, max_tile: int = 32) -> int:
-    """Rows per query tile, from static shapes only: decode-heavy steps (about one row per
-    request) use tiles of 1; prefill-heavy ones share each gathered KV chunk between rows."""
-    ratio = max(1, num_tokens // max(1, num_reqs))
-    return min(max_tile, 1 << (ratio.bit_length() - 1))
-
-
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [L, Hkv, NB, BS, D]
@@ -54,38 +49,86 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     kv_chunk_tokens: int = 128,
     items_per_iter: int = 8,
+    max_query_tile: int = 32,
 ) -> jax.Array:  # [T, Hq, D]
     """Split-KV attention with work proportional to the KV each row can see.
 
-    Each request's rows are cut into tiles of TQ rows; a work item is one tile against one chunk
-    of `kv_chunk_tokens` of its KV (only the chunks up to the tile's last position, and from its
-    first position's window). A loop runs ceil(items / items_per_iter) times, each iteration
-    gathering its items' pages, computing their partial softmax (max, sum, weighted V), and
-    folding them into per-tile accumulators. Padding tiles and short sequences beside a long
-    one cost nothing, unlike a loop over every tile to the longest sequence."""
-    T, Hq, D = q.shape
+    Requests are cut into query tiles: one row per tile for single-row requests (decodes), up
+    to `max_query_tile` rows for the others (prefill chunks), so a chunk's rows share each KV
+    page they gather and a decode does not pay for a tile of padding rows. A work item is one
+    tile against one chunk of `kv_chunk_tokens` of its KV: only the chunks up to the tile's last
+    position, and from its first position's window. Each class of tiles runs a loop of
+    ceil(items / items_per_iter) iterations, each gathering its items' pages, computing their
+    partial softmax (max, sum, weighted V) and folding them into per-tile accumulators: padding
+    tiles and short sequences beside a long one cost nothing."""
+    T = q.shape[0]
     R = seq_lens.shape[0]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # i32[R]
+    tile_rows = min(max_query_tile, 1 << (max(1, T // 2).bit_length() - 1))
+    single = q_lens == 1
+    out = jnp.zeros(q.shape, q.dtype)
+    for select, TQ, NT in ((single, 1, min(R, T)),
+                           # multi-row requests have >= 2 rows each: at most T // 2 of them
+                           (~single, tile_rows, -(-T // tile_rows) + min(R, T // 2))):
+        tiles = _QueryTiles.make(jnp.where(select, q_lens, 0), query_start_loc, seq_lens, TQ, NT)
+        out = _attend_tiles(out, q, k_cache, v_cache, layer, tiles, block_tables,
+                            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                            kv_chunk_tokens=kv_chunk_tokens, items_per_iter=items_per_iter)
+    return out
+
+
+@dataclass(frozen=True)
+class _QueryTiles:
+    """NT tiles of TQ query rows, each within one request; tiles past the last are invalid."""
+    req: jax.Array  # i32[NT]      the request of each tile
+    rows: jax.Array  # i32[NT, TQ]  its rows in q
+    valid: jax.Array  # bool[NT, TQ]
+    q_pos: jax.Array  # i32[NT, TQ]  each row's position in its sequence
+
+    @staticmethod
+    def make(q_lens: jax.Array, query_start_loc: jax.Array, seq_lens: jax.Array, TQ: int,
+             NT: int) -> "_QueryTiles":
+        R = seq_lens.shape[0]
+        tiles_per_req = (q_lens + TQ - 1) // TQ  # i32[R]
+        tiles_end = jnp.cumsum(tiles_per_req)
+        tile = jnp.arange(NT, dtype=jnp.int32)
+        req = jnp.clip(jnp.searchsorted(tiles_end, tile, side="right", method="compare_all"),
+                       0, R - 1).astype(jnp.int32)
+        first_row = query_start_loc[req] + (tile - (tiles_end[req] - tiles_per_req[req])) * TQ
+        rows = first_row[:, None] + jnp.arange(TQ, dtype=jnp.int32)
+        # A request's rows end at query_start_loc[r] + q_lens[r] (q_lens is 0 for requests of
+        # the other class), and its last row is at position seq_len - 1.
+        q_end = (query_start_loc[req] + q_lens[req])[:, None]
+        valid = (tile < tiles_end[-1])[:, None] & (rows < q_end)
+        return _QueryTiles(req, rows, valid, seq_lens[req][:, None] - q_end + rows)
+
+
+def _attend_tiles(
+    out: jax.Array,  # [T, Hq, D]  rows of other tiles already filled in
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,  # [L, Hkv, NB, BS, D]
+    v_cache: jax.Array,  # [L, Hkv, NB, BS, D]
+    layer: int | jax.Array,
+    tiles: _QueryTiles,
+    block_tables: jax.Array,  # i32[R, P]
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    kv_chunk_tokens: int,
+    items_per_iter: int,
+) -> jax.Array:  # [T, Hq, D]
+    T, Hq, D = q.shape
     Hkv, BS = k_cache.shape[1], k_cache.shape[3]
     G = Hq // Hkv
     P = block_tables.shape[1]
-    TQ = query_tile_size(T, R)
-    NT = -(-T // TQ) + (R * (TQ - 1)) // TQ  # enough tiles whatever the split of T over R
+    NT, TQ = tiles.rows.shape
     C = max(1, min(P, kv_chunk_tokens // BS))  # pages per chunk
     S = C * BS  # KV positions per chunk
     tables = jnp.pad(block_tables, ((0, 0), (0, -(-P // C) * C - P)))
     W = min(items_per_iter, NT)
-
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # i32[R]
-    tiles_per_req = (q_lens + TQ - 1) // TQ
-    tiles_end = jnp.cumsum(tiles_per_req)
-    tile = jnp.arange(NT, dtype=jnp.int32)
-    req = jnp.clip(jnp.searchsorted(tiles_end, tile, side="right", method="compare_all"),
-                   0, R - 1).astype(jnp.int32)
-    first_row = query_start_loc[req] + (tile - (tiles_end[req] - tiles_per_req[req])) * TQ
-    rows = first_row[:, None] + jnp.arange(TQ, dtype=jnp.int32)  # i32[NT, TQ]
-    tile_valid = tile < tiles_end[-1]  # bool[NT]
-    valid = tile_valid[:, None] & (rows < query_start_loc[req + 1][:, None])
-    q_pos = seq_lens[req][:, None] - query_start_loc[req + 1][:, None] + rows  # i32[NT, TQ]
+    req, rows, valid, q_pos = tiles.req, tiles.rows, tiles.valid, tiles.q_pos
+    tile_valid = valid[:, 0]  # bool[NT]
     # The KV chunks a tile needs: up to its last row's position; from its first row's window.
     last_pos = jnp.max(jnp.where(valid, q_pos, -1), axis=1)  # i32[NT]
     chunk_hi = (last_pos + S) // S  # exclusive
@@ -140,7 +183,7 @@ def ragged_paged_attention(
     init = (jnp.full(shape, _MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros((*shape, D), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, (total + W - 1) // W, body, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
-    out = out.transpose(0, 2, 1, 3, 4).reshape(NT * TQ, Hq, D)  # rows of tiles, heads
+    o = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
+    o = o.transpose(0, 2, 1, 3, 4).reshape(NT * TQ, Hq, D)  # rows of tiles, heads
     dest = jnp.where(valid, rows, T).reshape(-1)  # invalid rows fall off the end
-    return jnp.zeros((T, Hq, D), q.dtype).at[dest].set(out.astype(q.dtype), mode="drop")
+    return out.at[dest].set(o.astype(q.dtype), mode="drop")

@@ -6,7 +6,10 @@ they run. With the threshold off, a long prompt takes the whole remaining token 
 (512), so the decodes in that step wait for a ~500-token prefill; with it on, each step carries
 at most `threshold` prompt tokens. ITL is measured on the decoding requests only.
 
-    python scripts/bench_chunked_prefill.py [--thresholds 0,128,64] [--long-len 960]
+A run is `threshold` or `threshold:cap`, the cap being `max_num_partial_prefills` (how many
+prompts get prefill tokens in one step; 0 = any number).
+
+    python scripts/bench_chunked_prefill.py [--runs 0,64,32,32:1,16:1] [--long-len 960]
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ def decode_itl(result, num_decodes: int) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--thresholds", default="0,128,64", help="0 = off")
+    p.add_argument("--runs", default="0,64,32,32:1,16:1",
+                   help="threshold[:max_num_partial_prefills] per run; threshold 0 = off")
     p.add_argument("--decodes", type=int, default=16)
     p.add_argument("--decode-len", type=int, default=96, help="output tokens of each decode")
     p.add_argument("--long-prompts", type=int, default=3)
     p.add_argument("--long-len", type=int, default=960)
     args = p.parse_args()
-    thresholds = [int(t) for t in args.thresholds.split(",")]
+    runs = [tuple(int(x) for x in (r + ":0").split(":")[:2]) for r in args.runs.split(",")]
 
     buckets = [16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
     engine = make_engine(DUMMY_CONFIG_DIR, load_format="dummy", max_model_len=1024,
@@ -63,25 +67,28 @@ def main() -> None:
     mixed = Workload("mix", decodes.prompts + longs.prompts,
                      decodes.output_lens + longs.output_lens)
 
-    rows = [["steady (no long prompt)", "-", pct_ms(steady_itl, 50), pct_ms(steady_itl, 99),
+    rows = [["steady (no long prompt)", "-", "-", pct_ms(steady_itl, 50), pct_ms(steady_itl, 99),
              pct_ms(steady_itl, 100), "-", "1.0x", steady.num_compilations]]
     steady_p99 = pct_ms(steady_itl, 99)
-    for t in thresholds:
+    for t, cap in runs:
         scheduler_config.long_prefill_token_threshold = t
-        r = run_engine(engine, mixed, arrival_s=arrivals, prefix=f"t{t}-")
+        scheduler_config.max_num_partial_prefills = cap
+        r = run_engine(engine, mixed, arrival_s=arrivals, prefix=f"t{t}c{cap}-")
         itl = decode_itl(r, args.decodes)
         long_ttft = [o.metrics.time_to_first_token for o in r.outputs
                      if index_of(o) >= args.decodes]
-        rows.append([f"threshold {t}" if t else "threshold off", t or "-", pct_ms(itl, 50),
+        name = (f"threshold {t}" if t else "threshold off") + (f", {cap} prefill/step" if cap else "")
+        rows.append([name, t or "-", cap or "-", pct_ms(itl, 50),
                      pct_ms(itl, 99), pct_ms(itl, 100), pct_ms(long_ttft, 50),
                      f"{pct_ms(itl, 99) / steady_p99:.1f}x", r.num_compilations])
     scheduler_config.long_prefill_token_threshold = 0
+    scheduler_config.max_num_partial_prefills = 0
 
     body = (f"dummy ~30M Llama (random weights), token budget 512/step, {args.decodes} decoding "
             f"requests (32-token prompts, {args.decode_len} output tokens), "
             f"{args.long_prompts} prompts of {args.long_len} tokens arriving while they run. "
             "ITL over the decoding requests only.\n\n"
-            + markdown_table(["run", "threshold", "ITL p50 ms", "ITL p99 ms", "ITL max ms",
+            + markdown_table(["run", "threshold", "max_num_partial_prefills", "ITL p50 ms", "ITL p99 ms", "ITL max ms",
                               "long prompt TTFT p50 ms", "p99 / steady p99",
                               "compilations in the run"], rows))
     write_result("bench_chunked_prefill", "Chunked prefill: ITL while long prompts arrive", body)

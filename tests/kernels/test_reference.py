@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.reference import query_tile_size, ragged_paged_attention, write_kv
+from pallas_kernels.reference import ragged_paged_attention, write_kv
 
 L, HKV, NB, BS, D, HQ = 2, 2, 96, 8, 16, 4
 
@@ -77,12 +77,6 @@ def check_against_naive(case, window, cap, items_per_iter):
     n = sum(q_lens)
     np.testing.assert_allclose(out[:n], ref[:n], atol=2e-5, rtol=0)
     assert np.all(out[n:] == 0)  # padding rows: zeros, never NaN
-
-
-def test_query_tiles_follow_the_step_shape():
-    assert query_tile_size(64, 64) == 1  # decodes: one row per tile
-    assert query_tile_size(512, 64) == 8
-    assert query_tile_size(512, 1) == 32  # capped
 
 
 def test_write_kv_scatters_each_token_to_its_slot_only():
