@@ -57,10 +57,11 @@ def ragged_paged_attention(
     to `max_query_tile` rows for the others (prefill chunks), so a chunk's rows share each KV
     page they gather and a decode does not pay for a tile of padding rows. A work item is one
     tile against one chunk of `kv_chunk_tokens` of its KV: only the chunks up to the tile's last
-    position, and from its first position's window. Each class of tiles runs a loop of
+    position, and from its first position's window. The wide tiles run a loop of
     ceil(items / items_per_iter) iterations, each gathering its items' pages, computing their
-    partial softmax (max, sum, weighted V) and folding them into per-tile accumulators: padding
-    tiles and short sequences beside a long one cost nothing."""
+    partial softmax (max, sum, weighted V) and folding them into per-tile accumulators, so
+    padding tiles and short chunks beside a long one cost nothing; the one-row tiles all take
+    their next chunk each iteration, as long as the longest of them."""
     T = q.shape[0]
     R = seq_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # i32[R]
