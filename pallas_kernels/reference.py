@@ -57,11 +57,10 @@ def ragged_paged_attention(
     to `max_query_tile` rows for the others (prefill chunks), so a chunk's rows share each KV
     page they gather and a decode does not pay for a tile of padding rows. A work item is one
     tile against one chunk of `kv_chunk_tokens` of its KV: only the chunks up to the tile's last
-    position, and from its first position's window. The wide tiles run a loop of
+    position, and from its first position's window. Each class of tiles runs a loop of
     ceil(items / items_per_iter) iterations, each gathering its items' pages, computing their
-    partial softmax (max, sum, weighted V) and folding them into per-tile accumulators, so
-    padding tiles and short chunks beside a long one cost nothing; the one-row tiles all take
-    their next chunk each iteration, as long as the longest of them."""
+    partial softmax (max, sum, weighted V) and folding them into per-tile accumulators: padding
+    tiles and short sequences beside a long one cost nothing."""
     T = q.shape[0]
     R = seq_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # i32[R]
@@ -127,10 +126,7 @@ def _attend_tiles(
     C = max(1, min(P, kv_chunk_tokens // BS))  # pages per chunk
     S = C * BS  # KV positions per chunk
     tables = jnp.pad(block_tables, ((0, 0), (0, -(-P // C) * C - P)))
-    # Items per iteration: the one-row tiles (decodes) all take one chunk each per iteration,
-    # a loop as long as the longest of them, which costs fewer ops per iteration than the work
-    # list the wider tiles (prefill chunks, far more uneven) go through.
-    W = NT if TQ == 1 else min(items_per_iter, NT * -(-P // C))
+    W = min(items_per_iter, NT * -(-P // C))  # a lone tile may take all its chunks at once
     req, rows, valid, q_pos = tiles.req, tiles.rows, tiles.valid, tiles.q_pos
     tile_valid = valid[:, 0]  # bool[NT]
     # The KV chunks a tile needs: up to its last row's position; from its first row's window.
@@ -143,12 +139,18 @@ def _attend_tiles(
         chunk_lo = jnp.clip(first_pos - sliding_window + 1, 0) // S
     n_items = jnp.where(tile_valid, jnp.maximum(chunk_hi - chunk_lo, 0), 0)  # i32[NT]
     items_end = jnp.cumsum(n_items)
+    total = items_end[-1]
 
     qt = q[jnp.clip(rows, 0, T - 1)].astype(jnp.float32) * sm_scale  # [NT, TQ, Hq, D]
     qt = qt.reshape(NT, TQ, Hkv, G, D)
 
-    def item_softmax(it_tile: jax.Array, it_chunk: jax.Array, live: jax.Array):
-        """Partial softmax of items (tile it_tile[w] against KV chunk it_chunk[w])."""
+    def body(it: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
+        m, l, acc = carry  # per tile: running max, softmax sum, weighted V
+        item = it * W + jnp.arange(W, dtype=jnp.int32)  # i32[W]
+        it_tile = jnp.clip(jnp.searchsorted(items_end, item, side="right", method="compare_all"),
+                           0, NT - 1).astype(jnp.int32)
+        it_chunk = chunk_lo[it_tile] + item - (items_end[it_tile] - n_items[it_tile])  # i32[W]
+        live = item < total
         pages = jax.vmap(lambda r, c: jax.lax.dynamic_slice_in_dim(tables[r], c * C, C))(
             req[it_tile], jnp.where(live, it_chunk, 0))  # i32[W, C]
         k = k_cache[layer, :, pages].astype(jnp.float32)  # [W, C, Hkv, BS, D]
@@ -165,17 +167,8 @@ def _attend_tiles(
         s = jnp.where(mask, s, _MASK_VALUE)
         m_i = s.max(-1)  # [W, Hkv, TQ, G]
         p = jnp.exp(s - m_i[..., None]) * mask  # a fully masked row: m_i = -1e30, p = 0
+        l_i = p.sum(-1)
         a_i = jnp.einsum("whqgcs,wchsd->whqgd", p.reshape(W, Hkv, TQ, G, C, BS), v)
-        return m_i, p.sum(-1), a_i
-
-    def work_list(it: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
-        m, l, acc = carry  # per tile: running max, softmax sum, weighted V
-        item = it * W + jnp.arange(W, dtype=jnp.int32)  # i32[W]
-        it_tile = jnp.clip(jnp.searchsorted(items_end, item, side="right", method="compare_all"),
-                           0, NT - 1).astype(jnp.int32)
-        it_chunk = chunk_lo[it_tile] + item - (items_end[it_tile] - n_items[it_tile])  # i32[W]
-        live = item < items_end[-1]
-        m_i, l_i, a_i = item_softmax(it_tile, it_chunk, live)
         # Fold into the tiles (one tile may own several of this iteration's items): raise each
         # tile's max first, then rescale its old sums and the items' sums to that max.
         dest = jnp.where(live, it_tile, NT)  # dead items fall off the end
@@ -186,21 +179,10 @@ def _attend_tiles(
         acc = (acc * scale[..., None]).at[dest].add(a_i * beta[..., None], mode="drop")
         return m_new, l, acc
 
-    def grid(it: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
-        m, l, acc = carry  # every tile takes its chunk number `it`: a plain online softmax
-        tile = jnp.arange(NT, dtype=jnp.int32)
-        m_i, l_i, a_i = item_softmax(tile, chunk_lo + it, it < n_items)
-        m_new = jnp.maximum(m, m_i)
-        scale, beta = jnp.exp(m - m_new), jnp.exp(m_i - m_new)
-        return m_new, l * scale + l_i * beta, acc * scale[..., None] + a_i * beta[..., None]
-
     shape = (NT, Hkv, TQ, G)
     init = (jnp.full(shape, _MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros((*shape, D), jnp.float32))
-    if TQ == 1:
-        _, l, acc = jax.lax.fori_loop(0, jnp.max(n_items), grid, init)
-    else:
-        _, l, acc = jax.lax.fori_loop(0, (items_end[-1] + W - 1) // W, work_list, init)
+    _, l, acc = jax.lax.fori_loop(0, (total + W - 1) // W, body, init)
     o = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
     o = o.transpose(0, 2, 1, 3, 4).reshape(NT * TQ, Hq, D)  # rows of tiles, heads
     dest = jnp.where(valid, rows, T).reshape(-1)  # invalid rows fall off the end
