@@ -194,7 +194,7 @@ def main() -> None:
                    "--max-num-seqs (default: per model)")
     p.add_argument("--skip-hf-cb", action="store_true", help="skip HF continuous batching")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=int, default=2,
                    help="runs of every engine, each on fresh prompts; the table shows medians")
     args = p.parse_args()
     if args.hf_batch_sizes is not None:
