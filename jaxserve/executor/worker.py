@@ -4,7 +4,6 @@ cache, builds the model runner."""
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import os
 from pathlib import Path
