@@ -46,10 +46,13 @@ def place(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Per-step host inputs -> arrays replicated over the mesh."""
-    sharding = NamedSharding(mesh, P())
+    """Per-step host inputs, replicated over the mesh by the jitted call they are passed to.
+    In one process the host arrays go in as they are: jit copies uncommitted inputs to the
+    devices of the committed ones, and that costs a third of a `device_put` before the call
+    (~45 vs ~155 us per step on CPU)."""
     if jax.process_count() == 1:
-        return jax.device_put(tree, sharding)
+        return tree
+    sharding = NamedSharding(mesh, P())
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
 
