@@ -45,6 +45,9 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     # False: V0-style steps of prefills only or decodes only (for comparison; V1 mixes them)
     enable_mixed_batching: bool = True
+    # Schedule and launch step N+1 while step N runs; its decode inputs come from N's sampled
+    # ids on the device. Tokens are the same either way (docs in jaxserve/engine/core.py).
+    async_scheduling: bool = True
 
 
 @dataclass

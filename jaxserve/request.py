@@ -61,6 +61,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # Output tokens scheduled but not yet received: 1 while a step that samples for this request
+    # runs, 2 when the next step was scheduled on top of it (async scheduling).
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(init=False)

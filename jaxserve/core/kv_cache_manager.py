@@ -1,8 +1,9 @@
 """Per-request KV block bookkeeping over a BlockPool, with prefix caching and hit-rate stats.
 
 When a block becomes hittable: only `cache_blocks`, which the scheduler calls AFTER the step that
-wrote the block's KV has finished, registers a block's hash. A request admitted in the same step
-as the one computing a prefix therefore misses it and computes its own copy, so a cache hit can
+writes the block's KV has been launched, registers a block's hash. Every later step takes the KV
+cache arrays that step returns, so it reads the block after the write. A request admitted in the
+same step as the one computing a prefix misses it and computes its own copy, so a cache hit can
 never read KV that is not written yet, whatever order the kernel writes and reads KV in.
 """
 
@@ -135,8 +136,8 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Make the request's full blocks within its first `num_computed_tokens` tokens hittable.
 
-        THE rule that keeps hits safe: call this only after the step that wrote those tokens' KV
-        has finished, never at schedule time (see the module docstring).
+        THE rule that keeps hits safe: call this only after the step that writes those tokens'
+        KV has been launched, never at schedule time (see the module docstring).
         """
         if not self.enable_caching:
             return

@@ -112,13 +112,20 @@ class Scheduler:
 
         if self._transferred:
             new_reqs.extend(self._pop_transferred())
+        sampling: set[str] = set()
         for request in self.running:  # tokens count as computed from now on
-            request.num_computed_tokens += num_scheduled.get(request.request_id, 0)
+            num_new = num_scheduled.get(request.request_id, 0)
+            request.num_computed_tokens += num_new
+            if num_new and request.num_computed_tokens == (
+                    request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1
+                sampling.add(request.request_id)
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted)
+            finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted,
+            sampling_req_ids=sampling)
         self.finished_req_ids = set()
         self.num_steps += 1
         return out
@@ -233,7 +240,12 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if self._phase is not None and (self._phase == "prefill") != _is_prefilling(request):
             return 0  # V0-style: a decode held back from a prefill step, or the other way
-        num_new = request.num_tokens - request.num_computed_tokens
+        placeholders = request.num_output_placeholders
+        if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
+                             or request.num_tokens + placeholders >= self.max_model_len):
+            return 0  # the token in flight is its last: the update will finish it
+        # A placeholder is the input of the next decode: its id comes from the device.
+        num_new = request.num_tokens + placeholders - request.num_computed_tokens
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
@@ -252,6 +264,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token in flight is dropped, then recomputed
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -320,10 +333,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            # The step wrote this KV, so its full blocks may now be hit by others.
-            self.kv.cache_blocks(request, request.num_computed_tokens)
-            if request.num_computed_tokens < request.num_tokens:
+            # Every step that writes this KV has been launched (with async scheduling, the next
+            # one too), so its full blocks of known tokens may now be hit by others.
+            self.kv.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+            if req_id not in sched.sampling_req_ids:
                 continue  # a prefill chunk: its sampled token is not real
+            request.num_output_placeholders -= 1
             request.append_output_token_ids(token)
             status = self._check_stop(request, token)
             out = EngineCoreOutput(req_id, [token], [lp] if lp is not None else [],

@@ -35,6 +35,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished or aborted since the last step: the worker drops them
     preempted_req_ids: set[str]
+    # Requests whose tokens this step reach their end: their sampled token is a real output
+    # (the others are prefill chunks, whose sample is dropped).
+    sampling_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

@@ -1,5 +1,14 @@
 """EngineCore: schedule -> execute -> update, one step at a time, for every data-parallel rank
-(one scheduler and one share of the KV pool per rank; requests routed by prefix hit, then load)."""
+(one scheduler and one share of the KV pool per rank; requests routed by prefix hit, then load).
+
+With async scheduling (the default) a call schedules and launches step N+1 and only then waits
+for step N and applies its tokens, so the host's work overlaps the device's. The scheduler
+counts the ids in flight as placeholders: a decode is scheduled again before its last token is
+known, and the model runner feeds it that token from the device. A request that stops on a
+token sampled at N has already had one more token computed at N+1, which is dropped. Requests
+with penalties need their whole history on the host, so while one runs the core waits for N
+before scheduling N+1.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +16,10 @@ from dataclasses import dataclass
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.scheduler_output import EngineCoreOutput
+from jaxserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from jaxserve.distributed.dp_router import DPRouter
 from jaxserve.executor.executor import Executor
+from jaxserve.executor.model_runner import PendingStep
 from jaxserve.models.loader import LoadedModel
 from jaxserve.request import Request, RequestStatus
 
@@ -47,6 +57,7 @@ class EngineCore:
             for w in self.executor.workers]
         self.router = DPRouter(self.schedulers)
         self.num_steps = 0
+        self._in_flight: tuple[list[SchedulerOutput], list[PendingStep | None]] | None = None
         self.warm_up_seconds = self.executor.warm_up() if config.runner.precompile else 0.0
 
     @property
@@ -72,16 +83,37 @@ class EngineCore:
         return any(s.has_unfinished_requests() for s in self.schedulers)
 
     def step(self) -> list[EngineCoreOutput]:
-        scheds = [s.schedule() for s in self.schedulers]
-        results = self.executor.execute_model(scheds)
+        """Launch a step and return the tokens of the step before it (with async scheduling) or
+        of this one."""
         outputs: list[EngineCoreOutput] = []
+        if self._in_flight is not None and self._needs_host_history():
+            outputs += self._finish(*self._in_flight)
+            self._in_flight = None
+        scheds = [s.schedule() for s in self.schedulers]
+        previous, self._in_flight = self._in_flight, (scheds, self.executor.dispatch(scheds))
+        if previous is not None:
+            outputs += self._finish(*previous)
+        if not self.config.scheduler.async_scheduling:
+            outputs += self._finish(*self._in_flight)
+            self._in_flight = None
+        self.num_steps += 1
+        return outputs
+
+    def _finish(self, scheds: list[SchedulerOutput],
+                pending: list[PendingStep | None]) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        results = self.executor.collect(pending)
         for scheduler, sched, result in zip(self.schedulers, scheds, results):
             for out in scheduler.update_from_output(sched, result):
                 if out.finish_reason is not None:
                     self.router.forget(out.request_id)
                 outputs.append(out)
-        self.num_steps += 1
         return outputs
+
+    def _needs_host_history(self) -> bool:
+        """Whether a request with tokens in flight has penalties (computed from its history)."""
+        return any(r.num_output_placeholders and r.sampling_params.has_penalties
+                   for s in self.schedulers for r in s.running)
 
     def stats(self) -> EngineStats:
         per_rank = [s.stats() for s in self.schedulers]

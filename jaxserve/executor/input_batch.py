@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,8 @@ class StepArrays:
     """Host (numpy) arrays of one step, already padded to their buckets."""
     req_ids: list[str]  # the real requests, in row order
     input_ids: np.ndarray  # i32[T_padded]
+    # i32[T_padded]  -1, or the row of the step still running whose sampled id is this input
+    prev_rows: np.ndarray
     positions: np.ndarray  # i32[T_padded]
     slot_mapping: np.ndarray  # i32[T_padded]   padding -> slot 0 of the null block
     query_start_loc: np.ndarray  # i32[R_padded + 1]
@@ -74,7 +77,9 @@ class InputBatch:
             state.num_computed_tokens = computed
 
     def prepare(self, sched: SchedulerOutput, token_buckets: list[int],
-                request_buckets: list[int]) -> StepArrays:
+                request_buckets: list[int], running_rows: Mapping[str, int]) -> StepArrays:
+        """`running_rows`: request -> its row in the step still running, for the requests whose
+        next input that step samples (async scheduling)."""
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(req_ids))
@@ -98,24 +103,39 @@ class InputBatch:
         slot_mapping[:num_tokens] = (block_tables[row_of_token, pos // self.block_size]
                                      * self.block_size + pos % self.block_size)
         input_ids = np.zeros(T, np.int32)
-        input_ids[:num_tokens] = [t for s, c, n in zip(states, starts, counts)
-                                  for t in s.token_ids[c:c + n]]
+        prev_rows = np.full(T, -1, np.int32)
+        known = [s.token_ids[c:c + n] for s, c, n in zip(states, starts, counts)]
+        for i, (state, tokens, n) in enumerate(zip(states, known, counts)):
+            if len(tokens) < n:  # the last input is still being sampled: the device has it
+                prev_rows[query_start_loc[i + 1] - 1] = running_rows[state.req_id]
+        input_ids[:num_tokens] = [t for tokens, n in zip(known, counts)
+                                  for t in (tokens if len(tokens) == n else [*tokens, 0])]
         seq_lens = np.zeros(R, np.int32)
         seq_lens[:len(req_ids)] = starts + counts
         logits_indices = np.zeros(R, np.int32)
         logits_indices[:len(req_ids)] = query_start_loc[1:len(req_ids) + 1] - 1
-        lengths = np.fromiter((len(s.token_ids) for s in states), np.int32, len(states))
-        return StepArrays(req_ids, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                          block_tables, logits_indices, (starts + counts) >= lengths)
+        lengths = np.fromiter((len(s.token_ids) + s.row.num_pending for s in states), np.int32,
+                              len(states))
+        return StepArrays(req_ids, input_ids, prev_rows, positions, slot_mapping,
+                          query_start_loc, seq_lens, block_tables, logits_indices,
+                          (starts + counts) >= lengths)
 
     def rows(self, req_ids: list[str]) -> list[RowSpec]:
         return [self.requests[r].row for r in req_ids]
 
-    def append_sampled(self, arrays: StepArrays, sampled: np.ndarray) -> None:
-        """Record tokens sampled for requests whose step reached their last known token."""
+    def mark_pending(self, arrays: StepArrays) -> None:
+        """The step is launched: the tokens it samples are pending until `append_sampled`."""
         for i, req_id in enumerate(arrays.req_ids):
             if arrays.completes_sequence[i]:
-                state = self.requests[req_id]
+                self.requests[req_id].row.num_pending += 1
+
+    def append_sampled(self, arrays: StepArrays, sampled: np.ndarray) -> None:
+        """Record tokens sampled for requests whose step reached their last token. A request
+        finished or preempted while the step ran is gone from the batch: its token is dropped."""
+        for i, req_id in enumerate(arrays.req_ids):
+            state = self.requests.get(req_id)
+            if arrays.completes_sequence[i] and state is not None:
                 token = int(sampled[i])
                 state.token_ids.append(token)
                 state.row.output_token_ids.append(token)
+                state.row.num_pending -= 1

@@ -3,6 +3,9 @@
 The step `(params, kv_caches, batch) -> (kv_caches, sampled, logprobs)` is ONE jitted pure
 function with the KV cache donated. Shapes come only from the bucket lists, so after warm-up
 nothing compiles; the runner counts compilations and, in strict mode, raises on a new one.
+
+A step may be launched before the previous one's sampled ids reach the host (async
+scheduling): its decode inputs are then read from the previous step's ids on the device.
 """
 
 from __future__ import annotations
@@ -64,16 +67,20 @@ class StepStatics:
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
 def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
-          v_cache: jax.Array, inputs: jax.Array) -> tuple[jax.Array, jax.Array, SamplerOutput]:
-    # inputs: i32[n], the packed (input_ids, AttentionMetadata, logits_indices, SamplingMetadata)
-    input_ids, md, logits_indices, sampling = unpack(layout, inputs)
+          v_cache: jax.Array, prev_sampled: jax.Array, inputs: jax.Array,
+          ) -> tuple[jax.Array, jax.Array, SamplerOutput, jax.Array]:
+    # prev_sampled: i32[max request bucket], the previous step's sampled ids (row order)
+    # inputs: i32[n], the packed (input_ids, prev_rows, AttentionMetadata, logits_indices,
+    # SamplingMetadata)
+    input_ids, prev_rows, md, logits_indices, sampling = unpack(layout, inputs)
+    input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
     model = nnx.merge(statics.graphdef, state)
     hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend)
-    logits = model.compute_logits(hidden[logits_indices])
+    out = sample(model.compute_logits(hidden[logits_indices]), sampling)
     # Pin the cache's layout so the donated buffers come back exactly as they went in.
     k_cache = jax.lax.with_sharding_constraint(k_cache, statics.kv_sharding)
     v_cache = jax.lax.with_sharding_constraint(v_cache, statics.kv_sharding)
-    return k_cache, v_cache, sample(logits, sampling)
+    return k_cache, v_cache, out, prev_sampled.at[:out.sampled.shape[0]].set(out.sampled)
 
 
 class ModelRunner:
@@ -107,6 +114,10 @@ class ModelRunner:
         # compiled executables within a process.
         graphdef, self.params = nnx.split(model)
         self.statics = StepStatics(graphdef, backend, self.kv_sharding)
+        # The last launched step's sampled ids, and the rows whose next input they are.
+        self.prev_sampled = jax.device_put(np.zeros(self.request_buckets[-1], np.int32),
+                                           NamedSharding(mesh, P()))
+        self.prev_rows: dict[str, int] = {}
         self.compiled_shapes: set[tuple[Any, ...]] = set()
         self.num_compilations = 0
         self.warmed_up = False
@@ -122,14 +133,19 @@ class ModelRunner:
         self.batch.update(sched)
         if sched.is_empty:
             return None
-        arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets)
+        arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets,
+                                    self.prev_rows)
         rows = self.batch.rows(arrays.req_ids)
         # One logprobs width (max_logprobs) for every step that wants any: one compiled shape.
         wants_logprobs = any(row.params.logprobs is not None for row in rows)
         sampling = make_sampling_metadata(
             rows, len(arrays.seq_lens), eos_token_ids=self.eos_token_ids,
             num_logprobs=self.config.model.max_logprobs if wants_logprobs else 0)
-        return PendingStep(arrays, rows, self._run(arrays, sampling))
+        pending = PendingStep(arrays, rows, self._run(arrays, sampling))
+        self.batch.mark_pending(arrays)
+        self.prev_rows = {req_id: i for i, req_id in enumerate(arrays.req_ids)
+                          if arrays.completes_sequence[i]}
+        return pending
 
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
         if pending is None:
@@ -154,9 +170,10 @@ class ModelRunner:
         md = AttentionMetadata(positions=arrays.positions, slot_mapping=arrays.slot_mapping,
                                query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
                                block_tables=arrays.block_tables)
-        inputs, layout = pack((arrays.input_ids, md, arrays.logits_indices, sampling))
-        self.k_cache, self.v_cache, out = _step(
-            self.statics, layout, self.params, self.k_cache, self.v_cache,
+        inputs, layout = pack((arrays.input_ids, arrays.prev_rows, md, arrays.logits_indices,
+                               sampling))
+        self.k_cache, self.v_cache, out, self.prev_sampled = _step(
+            self.statics, layout, self.params, self.k_cache, self.v_cache, self.prev_sampled,
             replicate(inputs, self.mesh))
         return out
 
@@ -229,6 +246,7 @@ class ModelRunner:
                 for greedy in (True, False):
                     arrays = StepArrays(
                         req_ids=[], input_ids=np.zeros(T, np.int32),
+                        prev_rows=np.full(T, -1, np.int32),
                         positions=np.zeros(T, np.int32), slot_mapping=np.zeros(T, np.int32),
                         query_start_loc=np.zeros(R + 1, np.int32), seq_lens=np.zeros(R, np.int32),
                         block_tables=np.zeros((R, self.max_blocks_per_seq), np.int32),

@@ -199,8 +199,9 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
 class RowSpec:
     params: SamplingParams
     seed: int                                             # u32, from request_seed
-    output_token_ids: Sequence[int] | np.ndarray = ()     # sampled so far; len() is the step
+    output_token_ids: Sequence[int] | np.ndarray = ()     # sampled so far and received
     prompt_token_ids: Sequence[int] | np.ndarray = ()     # read only for repetition_penalty
+    num_pending: int = 0  # sampled by a step still running, not in output_token_ids yet
 
 
 def _bucket(length: int, floor: int) -> int:
@@ -250,10 +251,13 @@ def make_sampling_metadata(rows: Sequence[RowSpec | None], num_rows_padded: int,
         if not 0 <= row.seed < SEED_MODULUS:
             raise ValueError(f"seed must be in [0, 2**32), got {row.seed}")
         seeds[i] = row.seed
-        steps[i] = len(row.output_token_ids)
+        steps[i] = len(row.output_token_ids) + row.num_pending
         if not p.greedy:  # neutral filters on greedy rows let the device skip filtering
             temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
         if p.has_penalties:
+            if row.num_pending:
+                raise RuntimeError("penalties need the whole output history on the host; a "
+                                   "step with a penalised row must not run ahead of its tokens")
             presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
             repetition[i] = p.repetition_penalty
             outputs.append((i, row.output_token_ids))

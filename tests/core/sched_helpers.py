@@ -19,14 +19,15 @@ FIRST_SAMPLED = 1000  # fake sampled ids start here: never EOS, never a prompt t
 @dataclass(slots=True)
 class StepRecord:
     out: SchedulerOutput
-    before: dict[str, tuple[int, int, int]]  # req_id -> (computed, num_tokens, num_outputs)
+    # req_id -> (computed, num_tokens, num_outputs, placeholders) before the step
+    before: dict[str, tuple[int, int, int, int]]
     outputs: list[EngineCoreOutput] = field(default_factory=list)
 
     def is_decode(self, req_id: str) -> bool:
-        """One token catching up the newest sampled token; anything else is a prefill chunk
-        (a prompt chunk, or the recompute of prompt + outputs after a preemption)."""
-        computed, num_tokens, num_outputs = self.before[req_id]
-        return (num_outputs > 0 and computed == num_tokens - 1
+        """One token catching up the newest sampled token (maybe still in flight); anything
+        else is a prefill chunk (a prompt chunk, or the recompute after a preemption)."""
+        computed, num_tokens, num_outputs, placeholders = self.before[req_id]
+        return (num_outputs + placeholders > 0 and computed == num_tokens + placeholders - 1
                 and self.out.num_scheduled_tokens[req_id] == 1)
 
     @property
@@ -81,6 +82,7 @@ class Harness:
         self.all: dict[str, Request] = {}
         self.aborted: set[str] = set()
         self.history: list[StepRecord] = []
+        self.in_flight: StepRecord | None = None  # async scheduling: scheduled, not updated
         self.worker = WorkerView()
         self._clock = 0.0
 
@@ -105,8 +107,8 @@ class Harness:
         self.aborted.update(rids)
 
     def schedule(self) -> StepRecord:
-        before = {rid: (r.num_computed_tokens, r.num_tokens, r.num_output_tokens)
-                  for rid, r in self.sched.requests.items()}
+        before = {rid: (r.num_computed_tokens, r.num_tokens, r.num_output_tokens,
+                        r.num_output_placeholders) for rid, r in self.sched.requests.items()}
         record = StepRecord(self.sched.schedule(), before)
         check_step(self, record)
         self.worker.apply(record.out, self.sched.requests)
@@ -127,6 +129,12 @@ class Harness:
 
     def step(self, tokens: dict[str, int] | None = None) -> StepRecord:
         return self.update(self.schedule(), tokens)
+
+    def step_ahead(self) -> list[EngineCoreOutput]:
+        """Async scheduling, as the engine core does it: schedule the next step, then update
+        with the one in flight; returns that one's outputs."""
+        previous, self.in_flight = self.in_flight, self.schedule()
+        return self.update(previous).outputs if previous is not None else []
 
     def run(self, max_steps: int = 500) -> None:
         for _ in range(max_steps):
@@ -173,7 +181,13 @@ def check_step(h: Harness, record: StepRecord) -> None:
         assert req in sched.running
         if rid in cached_ids:
             assert start[rid] == record.before[rid][0]
-        assert req.num_computed_tokens == start[rid] + counts[rid] <= req.num_tokens
+        assert req.num_computed_tokens == start[rid] + counts[rid]
+        # A sampling step reaches the end of the known tokens plus those in flight, one of
+        # which it adds; the tokens in flight are at most this step's and the previous one's.
+        end = req.num_tokens + req.num_output_placeholders - (rid in out.sampling_req_ids)
+        assert req.num_computed_tokens == end if rid in out.sampling_req_ids \
+            else req.num_computed_tokens < end
+        assert req.num_output_placeholders <= 2
     for req in sched.running:
         assert len(h.blocks(req.request_id)) >= -(-req.num_computed_tokens // h.kv.block_size)
     for req in sched.waiting:

@@ -289,6 +289,52 @@ def test_max_model_len_caps_the_output() -> None:
     h.assert_no_leaks()
 
 
+# ---- async scheduling: the next step is scheduled before this one's tokens arrive --------------
+def test_a_decode_is_scheduled_on_its_token_in_flight_until_max_tokens_is_covered() -> None:
+    h = Harness()
+    req = h.add("r", 6, max_tokens=3)
+    s1 = h.schedule()  # the prefill, which samples the first output
+    assert s1.out.sampling_req_ids == {"r"} and req.num_output_placeholders == 1
+    s2 = h.schedule()  # no update yet: decode the token in flight
+    assert s2.out.num_scheduled_tokens == {"r": 1} and s2.out.sampling_req_ids == {"r"}
+    assert req.num_computed_tokens == 7 and req.num_output_placeholders == 2
+    assert [o.new_token_ids for o in h.update(s1).outputs] == [[FIRST_SAMPLED]]
+    assert req.num_output_placeholders == 1
+    s3 = h.schedule()  # 1 output + 1 in flight + this one = max_tokens
+    h.update(s2)
+    assert h.schedule().out.is_empty  # 2 outputs + 1 in flight: nothing more to compute
+    assert h.update(s3).outputs[0].finish_reason == "length"
+    assert req.output_token_ids == expected_outputs(3)
+    h.assert_no_leaks()
+
+
+def test_a_token_computed_after_the_stop_token_is_dropped() -> None:
+    h = Harness()
+    req = h.add("r", 6, max_tokens=10)
+    s1 = h.schedule()
+    s2 = h.schedule()
+    assert h.update(s1, {"r": EOS}).outputs[0].finish_reason == "stop"
+    assert h.update(s2).outputs == [] and req.output_token_ids == [EOS]
+    h.assert_no_leaks()
+
+
+def test_preemption_drops_the_token_in_flight_and_recomputes_it() -> None:
+    h = Harness(num_blocks=5, budget=8)  # 4 usable blocks of 4 tokens
+    a, b = h.add("a", 7, max_tokens=8), h.add("b", 6, max_tokens=8)
+    pending = h.schedule()  # both prefills
+    while "b" not in (record := h.schedule()).out.preempted_req_ids:
+        h.update(pending)
+        pending = record
+    assert b.num_output_placeholders == 0 and b.num_computed_tokens == 0
+    h.update(pending)  # b's token from that step is dropped: b is waiting again
+    while h.sched.has_unfinished_requests():
+        h.update(record)
+        record = h.schedule()
+    h.update(record)
+    assert a.output_token_ids == expected_outputs(8) and b.output_token_ids == expected_outputs(8)
+    h.assert_no_leaks()
+
+
 # ---- V0-style steps --------------------------------------------------------------------------
 def test_without_mixed_batching_no_step_mixes_prefill_and_decode() -> None:
     h = Harness(budget=8, mixed=False)
@@ -411,6 +457,7 @@ def workloads(draw: st.DrawFn) -> tuple[dict, list[Arrival]]:
            "max_num_seqs": draw(st.integers(1, 6)),
            "max_partial": draw(st.sampled_from([0, 0, 1, 2])),
            "mixed": draw(st.booleans()),
+           "async_scheduling": draw(st.booleans()),
            # every request fits the pool alone, so preemption always ends
            "num_blocks": -(-longest // BS) + 1 + draw(st.sampled_from([0, 0, 1, 2, 3, 6, 12]))}
     if not cfg["chunked"]:
@@ -423,6 +470,7 @@ def workloads(draw: st.DrawFn) -> tuple[dict, list[Arrival]]:
 def test_random_workloads_keep_every_invariant_and_finish(
         workload: tuple[dict, list[Arrival]]) -> None:
     cfg, arrivals = workload
+    async_scheduling = cfg.pop("async_scheduling")
     h = Harness(**cfg)
     streamed: dict[str, list[int]] = {a.rid: [] for a in arrivals}
     finish: dict[str, str] = {}
@@ -435,7 +483,8 @@ def test_random_workloads_keep_every_invariant_and_finish(
                       arrival=float(a.step), group_id=a.group_id)
             if a.abort_at == step and a.rid in h.sched.requests:
                 h.abort(a.rid)
-        for out in h.step().outputs:  # check_step and the WorkerView run inside
+        # check_step and the WorkerView run inside
+        for out in h.step_ahead() if async_scheduling else h.step().outputs:
             assert out.request_id not in finish
             streamed[out.request_id] += out.new_token_ids
             if out.finish_reason is not None:

@@ -27,6 +27,7 @@ def expected(hf_checkpoint):
 
 SETTINGS = {
     "default": {},
+    "sync_steps_no_async_scheduling": {"async_scheduling": False},
     "no_prefix_caching": {"enable_prefix_caching": False},
     "threshold_small": {"long_prefill_token_threshold": 8},
     "threshold_large": {"long_prefill_token_threshold": 64},
