@@ -267,12 +267,12 @@ class StepTimer:
         # Module globals (every engine in the process); skipped if the runner changes shape.
         import jaxserve.executor.model_runner as mr
 
-        self._patched = [(mr, name, getattr(mr, name)) for name in ("replicate", "_step")
-                         if hasattr(mr, name)]
+        self._patched = [(mr, name, getattr(mr, name)) for name in (
+            "replicate", "_step", "_sample") if hasattr(mr, name)]
         for module, name, fn in self._patched:
             setattr(module, name, self._timed(fn, "to_device" if name == "replicate"
-                                              else "jit_call", keep_args=name == "_step"))
-        self.last_step_args: tuple[Any, ...] | None = None
+                                              else "jit_call", keep_args=name != "replicate"))
+        self.last_args: dict[str, tuple[Any, ...]] = {}
 
     def close(self) -> None:
         for module, name, fn in self._patched:
@@ -282,11 +282,8 @@ class StepTimer:
         totals = self.totals
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if keep_args:  # and where the (donated) KV caches sit among them
-                runner = self.engine.core.executor.worker.runner
-                self.last_step_args = args
-                self.kv_arg_index = (next(i for i, a in enumerate(args) if a is runner.k_cache),
-                                     next(i for i, a in enumerate(args) if a is runner.v_cache))
+            if keep_args:
+                self.last_args[fn.__name__] = args
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -307,21 +304,22 @@ class StepTimer:
         return out
 
     def device_only_ms(self, repeats: int = 5) -> float:
-        """Best time of the last jitted step replayed on its (already on-device) inputs,
-        blocking each time: the step's device work plus a bare dispatch, no host-side prep.
-        It rewrites the same KV slots with the same values, so the engine's state holds."""
+        """Best time of the last step (model, then sampler) replayed on its inputs, blocking
+        each time: the step's device work plus two bare dispatches, no host-side prep. It
+        rewrites the same KV slots with the same values, so the engine's state holds."""
         import jax
 
         runner = self.engine.core.executor.worker.runner
-        args = list(self.last_step_args)
-        step_fn = dict((name, fn) for _, name, fn in self._patched)["_step"]  # unwrapped
+        fns = {name: fn for _, name, fn in self._patched}  # unwrapped
+        # _step(statics, layout, params, k_cache, v_cache, prev_sampled, inputs)
+        statics, layout, params, _, _, prev, inputs = self.last_args["_step"]
+        sample_layout, _, _, sample_inputs = self.last_args["_sample"]
         times = []
         for _ in range(repeats):
-            k, v = self.kv_arg_index
-            args[k], args[v] = runner.k_cache, runner.v_cache  # donated: pass the live ones
             start = time.perf_counter()
-            runner.k_cache, runner.v_cache, out = step_fn(*args)
-            jax.block_until_ready(out)
+            runner.k_cache, runner.v_cache, logits = fns["_step"](
+                statics, layout, params, runner.k_cache, runner.v_cache, prev, inputs)
+            jax.block_until_ready(fns["_sample"](sample_layout, logits, prev, sample_inputs))
             times.append(time.perf_counter() - start)
         return 1e3 * min(times)
 

@@ -1,8 +1,11 @@
 """ModelRunner: turns a SchedulerOutput into one jitted device step and returns sampled ids.
 
-The step `(params, kv_caches, batch) -> (kv_caches, sampled, logprobs)` is ONE jitted pure
-function with the KV cache donated. Shapes come only from the bucket lists, so after warm-up
-nothing compiles; the runner counts compilations and, in strict mode, raises on a new one.
+A step is two jitted pure functions: the model `(params, kv_caches, batch) -> (kv_caches,
+logits)`, with the KV cache donated, then the sampler `(logits, sampling) -> (sampled,
+logprobs)`. The model's shapes come only from the bucket lists, so after warm-up it never
+compiles again; the sampler's also depend on the padded token-history widths that penalties
+need, and compiling a new width recompiles only the sampler. The runner counts compilations
+and, in strict mode, raises on a new one.
 
 A step may be launched before the previous one's sampled ids reach the host (async
 scheduling): its decode inputs are then read from the previous step's ids on the device.
@@ -68,19 +71,26 @@ class StepStatics:
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
 def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
           v_cache: jax.Array, prev_sampled: jax.Array, inputs: jax.Array,
-          ) -> tuple[jax.Array, jax.Array, SamplerOutput, jax.Array]:
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     # prev_sampled: i32[max request bucket], the previous step's sampled ids (row order)
-    # inputs: i32[n], the packed (input_ids, prev_rows, AttentionMetadata, logits_indices,
-    # SamplingMetadata)
-    input_ids, prev_rows, md, logits_indices, sampling = unpack(layout, inputs)
+    # inputs: i32[n], the packed (input_ids, prev_rows, AttentionMetadata, logits_indices)
+    input_ids, prev_rows, md, logits_indices = unpack(layout, inputs)
     input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
     model = nnx.merge(statics.graphdef, state)
     hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend)
-    out = sample(model.compute_logits(hidden[logits_indices]), sampling)
     # Pin the cache's layout so the donated buffers come back exactly as they went in.
     k_cache = jax.lax.with_sharding_constraint(k_cache, statics.kv_sharding)
     v_cache = jax.lax.with_sharding_constraint(v_cache, statics.kv_sharding)
-    return k_cache, v_cache, out, prev_sampled.at[:out.sampled.shape[0]].set(out.sampled)
+    return k_cache, v_cache, model.compute_logits(hidden[logits_indices])  # f32[R, V]
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _sample(layout: PackedLayout, logits: jax.Array, prev_sampled: jax.Array,
+            inputs: jax.Array) -> tuple[SamplerOutput, jax.Array]:
+    # inputs: i32[n], the packed SamplingMetadata. Also returns the ids for the next step's
+    # inputs: prev_sampled with the first R rows replaced.
+    out = sample(logits, unpack(layout, inputs))
+    return out, prev_sampled.at[:out.sampled.shape[0]].set(out.sampled)
 
 
 class ModelRunner:
@@ -159,22 +169,21 @@ class ModelRunner:
                                  self._logprobs(out, rows) if wants_logprobs else None)
 
     def _run(self, arrays: StepArrays, sampling: SamplingMetadata) -> SamplerOutput:
-        key = (len(arrays.input_ids), len(arrays.seq_lens), sampling.output_token_ids.shape[1],
-               sampling.prompt_token_ids.shape[1], sampling.blocked_token_ids.shape[1],
-               sampling.all_greedy, sampling.num_logprobs)
-        if key not in self.compiled_shapes:
-            if self.warmed_up and self.config.runner.strict_compile:
-                raise UnexpectedCompilationError(f"step shape {key} was not compiled at warm-up")
-            self.compiled_shapes.add(key)
-            self.num_compilations += 1
+        self._count_shape(("step", len(arrays.input_ids), len(arrays.seq_lens)))
+        self._count_shape(("sample", len(arrays.seq_lens), sampling.output_token_ids.shape[1],
+                           sampling.prompt_token_ids.shape[1],
+                           sampling.blocked_token_ids.shape[1], sampling.all_greedy,
+                           sampling.num_logprobs))
         md = AttentionMetadata(positions=arrays.positions, slot_mapping=arrays.slot_mapping,
                                query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
                                block_tables=arrays.block_tables)
-        inputs, layout = pack((arrays.input_ids, arrays.prev_rows, md, arrays.logits_indices,
-                               sampling))
-        self.k_cache, self.v_cache, out, self.prev_sampled = _step(
+        inputs, layout = pack((arrays.input_ids, arrays.prev_rows, md, arrays.logits_indices))
+        self.k_cache, self.v_cache, logits = _step(
             self.statics, layout, self.params, self.k_cache, self.v_cache, self.prev_sampled,
             replicate(inputs, self.mesh))
+        sampling_inputs, sampling_layout = pack(sampling)
+        out, self.prev_sampled = _sample(sampling_layout, logits, self.prev_sampled,
+                                         replicate(sampling_inputs, self.mesh))
         return out
 
     @staticmethod

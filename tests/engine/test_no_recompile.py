@@ -33,7 +33,9 @@ def test_200_random_requests_trigger_no_compilation_after_warm_up(hf_checkpoint,
               request_buckets=[4, 16], long_prefill_token_threshold=32, precompile=True,
               strict_compile=True, compilation_cache_dir="")
     warm = llm.stats().num_compilations
-    assert warm == 2 * 4  # every (tokens, requests) pair, greedy and sampled
+    # The model for every (tokens, requests) pair; the sampler for 2 request buckets, greedy
+    # and sampled.
+    assert warm == 4 + 2 * 2
     compiles_at_warm_up = len(backend_compiles)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(2, 320, int(rng.integers(1, 100))).tolist()}
@@ -54,3 +56,19 @@ def test_strict_mode_raises_on_a_shape_missed_at_warm_up(hf_checkpoint):
     with pytest.raises(UnexpectedCompilationError, match="not compiled at warm-up"):
         llm.generate({"prompt_token_ids": [3, 4, 5]},  # logprobs: a shape warm-up skips
                      SamplingParams(max_tokens=2, logprobs=2))
+
+
+def test_penalty_histories_compile_the_sampler_and_never_the_model(hf_checkpoint):
+    llm = LLM(str(hf_checkpoint("llama")), max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
+              max_num_batched_tokens=32, token_buckets=[32], request_buckets=[4],
+              precompile=True, compilation_cache_dir="")
+    runner = llm.engine.core.executor.worker.runner
+    warm = set(runner.compiled_shapes)
+    params = SamplingParams(max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.2,
+                            ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [3, 4, 5]}, params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 40
+    new = runner.compiled_shapes - warm
+    # ("sample", R, output width, prompt width, blocked width, greedy, logprobs)
+    assert {key[0] for key in new} == {"sample"}
+    assert {key[2] for key in new} == {0, 16, 32, 64}  # the output history grew past 16, 32
