@@ -3,7 +3,9 @@
 A tiny model (stories260K's shape, random weights) keeps the device part small, so what is left
 is the host: scheduler.schedule(), the runner's input prep (persistent batch update, ragged
 arrays, sampling metadata), the jitted call's dispatch, update_from_output and output
-processing. Timed from outside by wrapping those methods (bench_common.StepTimer).
+processing. Timed from outside by wrapping those methods (bench_common.StepTimer), with
+synchronous steps so the parts add up; then the same batch's step time with async scheduling
+(the default), which hides host work behind the device's.
 
     python scripts/bench_host_overhead.py [--running 64,256,1024] [--steps 20]
 """
@@ -13,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 from bench_common import StepTimer, fill_decoding, make_engine, markdown_table, write_result
 
@@ -35,15 +39,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(TINY))
         blocks_per_req = -(-(args.prompt_len + args.steps + 2) // 16)
-        engine = make_engine(tmp, load_format="dummy", max_model_len=256, block_size=16,
-                             num_kv_blocks=largest * blocks_per_req + 64,
-                             max_num_seqs=largest, max_num_batched_tokens=largest,
-                             token_buckets=sorted(set(sizes)), request_buckets=sorted(set(sizes)),
-                             precompile=True)
-        timer = StepTimer(engine)
+        engines = {mode: make_engine(
+            tmp, load_format="dummy", max_model_len=256, block_size=16,
+            num_kv_blocks=largest * blocks_per_req + 64, max_num_seqs=largest,
+            max_num_batched_tokens=largest, token_buckets=sorted(set(sizes)),
+            request_buckets=sorted(set(sizes)), precompile=True, async_scheduling=mode)
+            for mode in (False, True)}
+        timer = StepTimer(engines[False])
         rows = []
         for n in sizes:
-            ids = fill_decoding(engine, n, args.prompt_len, TINY["vocab_size"], prefix=f"n{n}-")
+            ids = fill_decoding(engines[False], n, args.prompt_len, TINY["vocab_size"],
+                                prefix=f"n{n}-")
             for _ in range(2):  # the first decode steps of a new batch size warm caches
                 timer.step()
             timer.reset()
@@ -55,24 +61,44 @@ def main() -> None:
                          ms["jit_call"], ms["update"], ms["output"], host,
                          f"{100 * host / ms['step']:.0f}%", ms["device"],
                          timer.device_only_ms()])
-            engine.abort_request(ids)
-            engine.step()  # let the scheduler drop them
+            engines[False].abort_request(ids)
+            engines[False].step()  # let the scheduler drop them
         timer.close()
+        for row, n in zip(rows, sizes):  # unwrapped now: the async engine runs untimed inside
+            row.append(async_step_ms(engines[True], n, args))
 
     body = ("Decode steps only (every request past its prefill), "
             f"{args.steps} steps each; ms per step. Tiny model: stories260K's shape (dim 64, "
             "5 layers, vocab 512), random weights, xla attention backend.\n\n"
             + markdown_table(["running", "step", "schedule", "input prep", "to device",
                               "jit call", "update", "output proc.", "host total", "host share",
-                              "wait (device)", "device only (replay)"], rows)
+                              "wait (device)", "device only (replay)", "step, async"], rows)
             + "\n\nschedule = Scheduler.schedule; input prep = persistent-batch update, ragged "
-            "arrays and sampling metadata; to device = device_put of the step inputs; jit call "
-            "= the jitted step until it returns (dispatch; on CPU it can include some compute); "
+            "arrays and sampling metadata; to device = readying the step inputs for the call "
+            "(host arrays go in as they are: jit copies them); jit call = the model's and the "
+            "sampler's jitted calls until they return (dispatch; on CPU it can include some "
+            "compute); "
             "update = update_from_output + recording the ids; output proc. = detokenising and "
             "RequestOutputs; host total = their sum, host share = host total / step. wait = "
             "fetching the sampled ids (the device finishing the step); device only = the same "
-            "jitted step replayed on inputs already on the device, blocking (best of 5).")
+            "jitted step replayed on inputs already on the device, blocking (best of 5). The "
+            "columns up to here are synchronous steps (`async_scheduling=False`), so the parts "
+            "add up. step, async = the same batch's step with async scheduling (the default), "
+            "where the host prepares step N+1 while the device runs step N.")
     write_result("bench_host_overhead", "Host overhead per step", body)
+
+
+def async_step_ms(engine: Any, n: int, args: argparse.Namespace) -> float:
+    ids = fill_decoding(engine, n, args.prompt_len, TINY["vocab_size"], prefix=f"a{n}-")
+    for _ in range(2):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    ms = 1e3 * (time.perf_counter() - start) / args.steps
+    engine.abort_request(ids)
+    engine.step()
+    return ms
 
 
 if __name__ == "__main__":
