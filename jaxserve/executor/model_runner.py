@@ -248,11 +248,19 @@ class ModelRunner:
 
     # ---- warm-up -------------------------------------------------------------------------
     def warm_up(self) -> float:
-        """Compile every (token bucket, request bucket) shape for greedy and sampled steps."""
+        """Compile the model for every (token bucket, request bucket) pair, and the sampler for
+        every request bucket: greedy and sampled, without and with logprobs. Penalties compile
+        the sampler (only) for each new history width on first use."""
         start = time.perf_counter()
+        logprobs_widths = sorted({0, self.config.model.max_logprobs})
+        sampler_done: set[int] = set()
         for T in self.token_buckets:
             for R in sorted({min(r, T) for r in self.request_buckets}):
-                for greedy in (True, False):
+                # The sampler's shapes depend on R only: all of its variants with the first T.
+                variants = [(True, 0)] if R in sampler_done else [
+                    (greedy, n) for greedy in (True, False) for n in logprobs_widths]
+                sampler_done.add(R)
+                for greedy, num_logprobs in variants:
                     arrays = StepArrays(
                         req_ids=[], input_ids=np.zeros(T, np.int32),
                         prev_rows=np.full(T, -1, np.int32),
@@ -262,7 +270,7 @@ class ModelRunner:
                         logits_indices=np.zeros(R, np.int32),
                         completes_sequence=np.zeros(0, bool))
                     sampling = make_sampling_metadata([], R, eos_token_ids=self.eos_token_ids,
-                                                      num_logprobs=0)
+                                                      num_logprobs=num_logprobs)
                     if not greedy:
                         sampling = dataclasses.replace(sampling, all_greedy=False)
                     jax.block_until_ready(self._run(arrays, sampling))

@@ -34,8 +34,8 @@ def test_200_random_requests_trigger_no_compilation_after_warm_up(hf_checkpoint,
               strict_compile=True, compilation_cache_dir="")
     warm = llm.stats().num_compilations
     # The model for every (tokens, requests) pair; the sampler for 2 request buckets, greedy
-    # and sampled.
-    assert warm == 4 + 2 * 2
+    # and sampled, without and with logprobs.
+    assert warm == 4 + 2 * 2 * 2
     compiles_at_warm_up = len(backend_compiles)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(2, 320, int(rng.integers(1, 100))).tolist()}
@@ -53,9 +53,12 @@ def test_strict_mode_raises_on_a_shape_missed_at_warm_up(hf_checkpoint):
     llm = LLM(str(hf_checkpoint("llama")), max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
               max_num_batched_tokens=32, token_buckets=[32], request_buckets=[4],
               precompile=True, strict_compile=True, compilation_cache_dir="")
+    out = llm.generate({"prompt_token_ids": [3, 4, 5]},  # logprobs are warmed up
+                       SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs) == 2
     with pytest.raises(UnexpectedCompilationError, match="not compiled at warm-up"):
-        llm.generate({"prompt_token_ids": [3, 4, 5]},  # logprobs: a shape warm-up skips
-                     SamplingParams(max_tokens=2, logprobs=2))
+        llm.generate({"prompt_token_ids": [3, 4, 5]},  # penalties: a width warm-up skips
+                     SamplingParams(max_tokens=2, repetition_penalty=1.2), use_tqdm=False)
 
 
 def test_penalty_histories_compile_the_sampler_and_never_the_model(hf_checkpoint):
