@@ -1,4 +1,4 @@
-"""ModelRunner: turns a SchedulerOutput into one jitted device step and returns sampled ids.
+"""ModelRunner: turns a SchedulerOutput into one device step and returns sampled ids.
 
 A step is two jitted pure functions: the model `(params, kv_caches, batch) -> (kv_caches,
 logits)`, with the KV cache donated, then the sampler `(logits, sampling) -> (sampled,
