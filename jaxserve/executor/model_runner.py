@@ -127,7 +127,7 @@ class ModelRunner:
         # The last launched step's sampled ids, and the rows whose next input they are.
         self.prev_sampled = jax.device_put(np.zeros(self.request_buckets[-1], np.int32),
                                            NamedSharding(mesh, P()))
-        self.prev_rows: dict[str, int] = {}
+        self.running_rows: dict[str, int] = {}
         self.compiled_shapes: set[tuple[Any, ...]] = set()
         self.num_compilations = 0
         self.warmed_up = False
@@ -144,7 +144,7 @@ class ModelRunner:
         if sched.is_empty:
             return None
         arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets,
-                                    self.prev_rows)
+                                    self.running_rows)
         rows = self.batch.rows(arrays.req_ids)
         # One logprobs width (max_logprobs) for every step that wants any: one compiled shape.
         wants_logprobs = any(row.params.logprobs is not None for row in rows)
@@ -153,7 +153,7 @@ class ModelRunner:
             num_logprobs=self.config.model.max_logprobs if wants_logprobs else 0)
         pending = PendingStep(arrays, rows, self._run(arrays, sampling))
         self.batch.mark_pending(arrays)
-        self.prev_rows = {req_id: i for i, req_id in enumerate(arrays.req_ids)
+        self.running_rows = {req_id: i for i, req_id in enumerate(arrays.req_ids)
                           if arrays.completes_sequence[i]}
         return pending
 

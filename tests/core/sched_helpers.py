@@ -16,6 +16,11 @@ EOS = 2
 FIRST_SAMPLED = 1000  # fake sampled ids start here: never EOS, never a prompt token
 
 
+def expected_outputs(n: int) -> list[int]:
+    """The fake tokens a request gets when every update uses the default."""
+    return [FIRST_SAMPLED + k for k in range(n)]
+
+
 @dataclass(slots=True)
 class StepRecord:
     out: SchedulerOutput

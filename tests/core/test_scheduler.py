@@ -10,13 +10,9 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sched_helpers import BS, EOS, FIRST_SAMPLED, Harness
+from sched_helpers import BS, EOS, Harness, expected_outputs
 
 from jaxserve.request import RequestStatus
-
-
-def expected_outputs(n: int) -> list[int]:
-    return [FIRST_SAMPLED + k for k in range(n)]
 
 
 # ---- one token budget ------------------------------------------------------------------------
@@ -286,52 +282,6 @@ def test_max_model_len_caps_the_output() -> None:
     req = h.add("r", 6, max_tokens=100)
     outs = _decode_with(h, "r", [5, 6, 7])
     assert req.num_tokens == 8 and outs[-1].finish_reason == "length" and len(outs) == 2
-    h.assert_no_leaks()
-
-
-# ---- async scheduling: the next step is scheduled before this one's tokens arrive --------------
-def test_a_decode_is_scheduled_on_its_token_in_flight_until_max_tokens_is_covered() -> None:
-    h = Harness()
-    req = h.add("r", 6, max_tokens=3)
-    s1 = h.schedule()  # the prefill, which samples the first output
-    assert s1.out.sampling_req_ids == {"r"} and req.num_output_placeholders == 1
-    s2 = h.schedule()  # no update yet: decode the token in flight
-    assert s2.out.num_scheduled_tokens == {"r": 1} and s2.out.sampling_req_ids == {"r"}
-    assert req.num_computed_tokens == 7 and req.num_output_placeholders == 2
-    assert [o.new_token_ids for o in h.update(s1).outputs] == [[FIRST_SAMPLED]]
-    assert req.num_output_placeholders == 1
-    s3 = h.schedule()  # 1 output + 1 in flight + this one = max_tokens
-    h.update(s2)
-    assert h.schedule().out.is_empty  # 2 outputs + 1 in flight: nothing more to compute
-    assert h.update(s3).outputs[0].finish_reason == "length"
-    assert req.output_token_ids == expected_outputs(3)
-    h.assert_no_leaks()
-
-
-def test_a_token_computed_after_the_stop_token_is_dropped() -> None:
-    h = Harness()
-    req = h.add("r", 6, max_tokens=10)
-    s1 = h.schedule()
-    s2 = h.schedule()
-    assert h.update(s1, {"r": EOS}).outputs[0].finish_reason == "stop"
-    assert h.update(s2).outputs == [] and req.output_token_ids == [EOS]
-    h.assert_no_leaks()
-
-
-def test_preemption_drops_the_token_in_flight_and_recomputes_it() -> None:
-    h = Harness(num_blocks=5, budget=8)  # 4 usable blocks of 4 tokens
-    a, b = h.add("a", 7, max_tokens=8), h.add("b", 6, max_tokens=8)
-    pending = h.schedule()  # both prefills
-    while "b" not in (record := h.schedule()).out.preempted_req_ids:
-        h.update(pending)
-        pending = record
-    assert b.num_output_placeholders == 0 and b.num_computed_tokens == 0
-    h.update(pending)  # b's token from that step is dropped: b is waiting again
-    while h.sched.has_unfinished_requests():
-        h.update(record)
-        record = h.schedule()
-    h.update(record)
-    assert a.output_token_ids == expected_outputs(8) and b.output_token_ids == expected_outputs(8)
     h.assert_no_leaks()
 
 
