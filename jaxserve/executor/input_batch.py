@@ -104,12 +104,14 @@ class InputBatch:
                                      * self.block_size + pos % self.block_size)
         input_ids = np.zeros(T, np.int32)
         prev_rows = np.full(T, -1, np.int32)
-        known = [s.token_ids[c:c + n] for s, c, n in zip(states, starts, counts)]
-        for i, (state, tokens, n) in enumerate(zip(states, known, counts)):
+        ids: list[int] = []
+        for state, c, n in zip(states, starts, counts):
+            tokens = state.token_ids[c:c + n]
+            ids += tokens
             if len(tokens) < n:  # the last input is still being sampled: the device has it
-                prev_rows[query_start_loc[i + 1] - 1] = running_rows[state.req_id]
-        input_ids[:num_tokens] = [t for tokens, n in zip(known, counts)
-                                  for t in (tokens if len(tokens) == n else [*tokens, 0])]
+                prev_rows[len(ids)] = running_rows[state.req_id]
+                ids.append(0)
+        input_ids[:num_tokens] = ids
         seq_lens = np.zeros(R, np.int32)
         seq_lens[:len(req_ids)] = starts + counts
         logits_indices = np.zeros(R, np.int32)
