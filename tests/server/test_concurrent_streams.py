@@ -13,7 +13,7 @@ from jaxserve import SamplingParams
 from server_helpers import API_KEY, MODEL_NAME, wait_engine_idle
 
 NUM_CLIENTS = 64
-ARRIVAL_GAP_S = 0.03  # clients keep arriving while earlier ones decode
+ARRIVAL_GAP_S = 0.01  # clients keep arriving while earlier ones decode (a request lasts ~30-100 ms)
 
 
 async def _client(client: openai.AsyncOpenAI, i: int, prompt: list[int], max_tokens: int,
