@@ -1,7 +1,9 @@
 """Pallas kernels for jaxserve's attention: ragged paged attention for TPU (Mosaic) and GPU
-(Triton), beside the pure-JAX reference and KV write. Importable without jaxserve, and without
-libtpu or a GPU (the kernels only need one to compile, not to import or to run interpreted)."""
+(Triton) and the TPU's in-place KV write, beside the pure-JAX reference and KV write. Importable
+without jaxserve, and without libtpu or a GPU (the kernels only need one to compile, not to
+import or to run interpreted)."""
 
+from pallas_kernels.kv_write_tpu import write_kv as kv_write_tpu
 from pallas_kernels.ragged_paged_attention_gpu import (
     ragged_paged_attention as ragged_paged_attention_gpu,
 )
@@ -20,6 +22,7 @@ from pallas_kernels.tiling import (
 __all__ = [
     "default_gpu_tiles",
     "default_tpu_tiles",
+    "kv_write_tpu",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu",

@@ -29,23 +29,45 @@ class AttentionMetadata:
 
 
 AttendFn = Callable[..., jax.Array]
+# (k_cache, v_cache, layer, k, v, slot_mapping, query_start_loc) -> (k_cache, v_cache)
+WriteFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def _scatter_write(k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array, k: jax.Array,
+                   v: jax.Array, slot_mapping: jax.Array, query_start_loc: jax.Array,
+                   ) -> tuple[jax.Array, jax.Array]:
+    del query_start_loc  # padding tokens write the null block
+    return reference.write_kv(k_cache, v_cache, layer, k, v, slot_mapping)
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """`attend(q, k_cache, v_cache, layer, md, sm_scale=, sliding_window=, soft_cap=)`.
+    """`write(k_cache, v_cache, layer, k, v, md)`, then
+    `attend(q, k_cache, v_cache, layer, md, sm_scale=, sliding_window=, soft_cap=)`.
 
-    The KV write is always the batch-wide scatter, done before any attention read in the same
-    layer: a prefix-cache hit on a block filled earlier in the same step then reads written KV.
-    Pallas kernels cannot be partitioned by XLA, so under tensor parallelism they run per device
-    in a `shard_map` over heads; the `xla` backend is left to the SPMD partitioner."""
+    Each layer writes the whole batch's KV before any attention read: a prefix-cache hit on a
+    block filled earlier in the same step then reads written KV. On TPU the write is a Pallas
+    kernel that updates the cache in place (XLA's scatter would copy the whole cache into a
+    layout of its own and back); elsewhere XLA's scatter. Pallas kernels cannot be partitioned
+    by XLA, so under tensor parallelism they run per device in a `shard_map` over heads; the
+    `xla` backend is left to the SPMD partitioner."""
     name: str
     kernel: AttendFn
     mesh: Mesh | None = None
+    writer: WriteFn = _scatter_write
+
+    def _per_device(self, is_kernel: bool) -> bool:
+        return is_kernel and self.mesh is not None and self.mesh.shape["model"] > 1
 
     def write(self, k_cache: jax.Array, v_cache: jax.Array, layer: int, k: jax.Array,
               v: jax.Array, md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-        return reference.write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
+        args = (k_cache, v_cache, jnp.int32(layer), k, v, md.slot_mapping, md.query_start_loc)
+        if not self._per_device(self.writer is not _scatter_write):
+            return self.writer(*args)
+        heads, cache = P(None, "model", None), P(None, "model")
+        return jax.shard_map(self.writer, mesh=self.mesh,
+                             in_specs=(cache, cache, P(), heads, heads, P(), P()),
+                             out_specs=(cache, cache), check_vma=False)(*args)
 
     def attend(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
                md: AttentionMetadata, **kwargs: object) -> jax.Array:
@@ -54,7 +76,7 @@ class AttentionBackend:
                                query_start_loc, **kwargs)
 
         args = (q, k_cache, v_cache, layer, md.seq_lens, md.block_tables, md.query_start_loc)
-        if self.name == "xla" or self.mesh is None or self.mesh.shape["model"] == 1:
+        if not self._per_device(self.name != "xla"):
             return kernel(*args)
         args = (q, k_cache, v_cache, jnp.int32(layer), *args[4:])  # shard_map takes arrays
         heads, cache = P(None, "model", None), P(None, "model")
@@ -64,12 +86,14 @@ class AttentionBackend:
 
 
 @functools.cache
-def _pallas_kernel(kind: str, interpret: bool) -> AttendFn:
+def _pallas_kernels(kind: str, interpret: bool) -> tuple[AttendFn, WriteFn]:
     # Cached so equal backends are one object: the jitted step's cache is keyed on it.
-    from pallas_kernels import ragged_paged_attention_gpu, ragged_paged_attention_tpu
+    from pallas_kernels import kv_write_tpu, ragged_paged_attention_gpu, ragged_paged_attention_tpu
 
-    kernel = ragged_paged_attention_tpu if kind == "tpu" else ragged_paged_attention_gpu
-    return functools.partial(kernel, interpret=interpret)
+    if kind == "gpu":  # XLA:GPU scatters into the cache in place
+        return functools.partial(ragged_paged_attention_gpu, interpret=interpret), _scatter_write
+    return (functools.partial(ragged_paged_attention_tpu, interpret=interpret),
+            functools.partial(kv_write_tpu, interpret=interpret))
 
 
 def get_attention_backend(name: str, platform: str | None = None,
@@ -87,7 +111,8 @@ def get_attention_backend(name: str, platform: str | None = None,
         raise ValueError(f"attention_backend 'pallas' needs a TPU or GPU, this is {platform!r}; "
                          "use 'pallas_interpret' or 'xla'")
     kind = "tpu" if name == "pallas_interpret" or platform == "tpu" else "gpu"
-    return AttentionBackend(name, _pallas_kernel(kind, name == "pallas_interpret"), mesh)
+    kernel, writer = _pallas_kernels(kind, name == "pallas_interpret")
+    return AttentionBackend(name, kernel, mesh, writer)
 
 
 def validate_backend(backend: AttentionBackend, *, platform: str, num_q_heads: int,

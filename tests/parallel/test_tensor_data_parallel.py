@@ -20,11 +20,13 @@ def gqa8(hf_checkpoint):
     return path, prompts, hf_greedy(path, prompts, 12)
 
 
-@pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (2, 4)])
-def test_greedy_tokens_equal_single_device(gqa8, compile_cache_dir, tp, dp):
+@pytest.mark.parametrize("tp,dp,backend", [(1, 1, "xla"), (2, 1, "xla"), (4, 1, "xla"),
+                                           (8, 1, "xla"), (2, 2, "xla"), (2, 4, "xla"),
+                                           (4, 1, "pallas_interpret"), (2, 2, "pallas_interpret")])
+def test_greedy_tokens_equal_single_device(gqa8, compile_cache_dir, tp, dp, backend):
     path, prompts, expected = gqa8
     llm = LLM(str(path), tensor_parallel_size=tp, data_parallel_size_local=dp,
-              compilation_cache_dir=compile_cache_dir, **SMALL_ENGINE)
+              attention_backend=backend, compilation_cache_dir=compile_cache_dir, **SMALL_ENGINE)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert_no_leaks(llm.engine)
