@@ -53,11 +53,17 @@ class SchedulerConfig:
 @dataclass
 class RunnerConfig:
     attention_backend: str = "auto"
+    scan_layers: bool | None = None  # lax.scan over stacked layers; default: on TPU/GPU only
     token_buckets: list[int] | None = None  # default: powers of two up to max_num_batched_tokens
     request_buckets: list[int] | None = None  # default: powers of two up to max_num_seqs
     precompile: bool = False
     strict_compile: bool = False  # raise on a compilation after warm-up
     compilation_cache_dir: str | None = None  # JAX persistent cache; "" disables
+
+    def scans_layers(self, platform: str) -> bool:
+        """lax.scan over the layers where it measured best: TPU/GPU (compile time flat in
+        depth); XLA:CPU copies each scanned weight slice, so CPU unrolls."""
+        return platform != "cpu" if self.scan_layers is None else self.scan_layers
 
 
 @dataclass

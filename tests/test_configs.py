@@ -25,7 +25,8 @@ LLAMA3_8B = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 
 def test_there_are_presets_for_every_target():
     names = {p.stem for p in PRESETS}
-    for prefix in ("cpu-stories260k", "cpu-dummy-30m", "tpu-v5e", "tpu-v6e", "h100", "h200"):
+    for prefix in ("cpu-stories260k", "cpu-dummy-30m", "tpu-v5e", "tpu-v6e", "tpu-v5p", "tpu-tpu7x",
+                   "h100", "h200"):
         assert any(n.startswith(prefix) for n in names), prefix
 
 

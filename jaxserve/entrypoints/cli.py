@@ -58,7 +58,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 # Other subcommands live beside their job and register themselves: module -> `register(sub)`.
-SUBCOMMAND_MODULES = ("jaxserve.entrypoints.serve_cli", "jaxserve.entrypoints.run_cli")
+SUBCOMMAND_MODULES = ("jaxserve.entrypoints.serve_cli", "jaxserve.entrypoints.run_cli",
+                      "jaxserve.entrypoints.compile_check_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

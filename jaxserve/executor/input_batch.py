@@ -38,6 +38,19 @@ class StepArrays:
     logits_indices: np.ndarray  # i32[R_padded]   last query row of each request
     completes_sequence: np.ndarray  # bool[R]     the step reaches the last known token
 
+    @staticmethod
+    def empty(num_tokens: int, num_reqs: int, max_blocks_per_seq: int) -> "StepArrays":
+        """A step of only padding, in the (num_tokens, num_reqs) bucket: what warm-up runs."""
+        T, R = num_tokens, num_reqs
+        zeros = np.zeros(T, np.int32)
+        return StepArrays(req_ids=[], input_ids=zeros, prev_rows=np.full(T, -1, np.int32),
+                          positions=zeros, slot_mapping=zeros,
+                          query_start_loc=np.zeros(R + 1, np.int32),
+                          seq_lens=np.zeros(R, np.int32),
+                          block_tables=np.zeros((R, max_blocks_per_seq), np.int32),
+                          logits_indices=np.zeros(R, np.int32),
+                          completes_sequence=np.zeros(0, bool))
+
 
 def pick_bucket(buckets: list[int], n: int, what: str) -> int:
     i = bisect.bisect_left(buckets, n)

@@ -93,6 +93,37 @@ def _sample(layout: PackedLayout, logits: jax.Array, prev_sampled: jax.Array,
     return out, prev_sampled.at[:out.sampled.shape[0]].set(out.sampled)
 
 
+def step_buckets(config: EngineConfig) -> tuple[list[int], list[int]]:
+    """The token and request buckets the model step is compiled for."""
+    sched = config.scheduler
+    # From 8 tokens: a decode step of a few requests pays for its bucket's rows in every
+    # matmul, so 8 decodes padded to 16 rows would cost ~1.3x on CPU.
+    token_buckets = sorted(config.runner.token_buckets or power_of_two_buckets(
+        min(8, sched.max_num_batched_tokens), sched.max_num_batched_tokens))
+    request_buckets = sorted(config.runner.request_buckets or power_of_two_buckets(
+        min(8, sched.max_num_seqs), sched.max_num_seqs))
+    if token_buckets[-1] < sched.max_num_batched_tokens:
+        raise ValueError(f"token_buckets must reach max_num_batched_tokens "
+                         f"({sched.max_num_batched_tokens}), got {token_buckets}")
+    if request_buckets[-1] < sched.max_num_seqs:
+        raise ValueError(f"request_buckets must reach max_num_seqs ({sched.max_num_seqs}), "
+                         f"got {request_buckets}")
+    return token_buckets, request_buckets
+
+
+def bucket_pairs(token_buckets: list[int], request_buckets: list[int]) -> list[tuple[int, int]]:
+    """Every (T, R) shape a step can take: a step never has more requests than tokens."""
+    return [(T, R) for T in token_buckets for R in sorted({min(r, T) for r in request_buckets})]
+
+
+def step_inputs(arrays: StepArrays) -> tuple[np.ndarray, PackedLayout]:
+    """The model step's packed host inputs."""
+    md = AttentionMetadata(positions=arrays.positions, slot_mapping=arrays.slot_mapping,
+                           query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
+                           block_tables=arrays.block_tables)
+    return pack((arrays.input_ids, arrays.prev_rows, md, arrays.logits_indices))
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Llama, k_cache: jax.Array, v_cache: jax.Array,
                  backend: AttentionBackend, mesh: Mesh, max_model_len: int,
@@ -107,19 +138,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.batch = InputBatch(block_size, self.max_blocks_per_seq)
         self.block_buckets = block_buckets(self.max_blocks_per_seq)
-        sched = config.scheduler
-        # From 8 tokens: a decode step of a few requests pays for its bucket's rows in every
-        # matmul, so 8 decodes padded to 16 rows would cost ~1.3x on CPU.
-        self.token_buckets = sorted(config.runner.token_buckets or power_of_two_buckets(
-            min(8, sched.max_num_batched_tokens), sched.max_num_batched_tokens))
-        self.request_buckets = sorted(config.runner.request_buckets or power_of_two_buckets(
-            min(8, sched.max_num_seqs), sched.max_num_seqs))
-        if self.token_buckets[-1] < sched.max_num_batched_tokens:
-            raise ValueError(f"token_buckets must reach max_num_batched_tokens "
-                             f"({sched.max_num_batched_tokens}), got {self.token_buckets}")
-        if self.request_buckets[-1] < sched.max_num_seqs:
-            raise ValueError(f"request_buckets must reach max_num_seqs ({sched.max_num_seqs}), "
-                             f"got {self.request_buckets}")
+        self.token_buckets, self.request_buckets = step_buckets(config)
         # One module-level jit: engines with the same model structure and step shapes share
         # compiled executables within a process.
         graphdef, self.params = nnx.split(model)
@@ -174,10 +193,7 @@ class ModelRunner:
                            sampling.prompt_token_ids.shape[1],
                            sampling.blocked_token_ids.shape[1], sampling.all_greedy,
                            sampling.num_logprobs))
-        md = AttentionMetadata(positions=arrays.positions, slot_mapping=arrays.slot_mapping,
-                               query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
-                               block_tables=arrays.block_tables)
-        inputs, layout = pack((arrays.input_ids, arrays.prev_rows, md, arrays.logits_indices))
+        inputs, layout = step_inputs(arrays)
         self.k_cache, self.v_cache, logits = _step(
             self.statics, layout, self.params, self.k_cache, self.v_cache, self.prev_sampled,
             replicate(inputs, self.mesh))
@@ -254,26 +270,18 @@ class ModelRunner:
         start = time.perf_counter()
         logprobs_widths = sorted({0, self.config.model.max_logprobs})
         sampler_done: set[int] = set()
-        for T in self.token_buckets:
-            for R in sorted({min(r, T) for r in self.request_buckets}):
-                # The sampler's shapes depend on R only: all of its variants with the first T.
-                variants = [(True, 0)] if R in sampler_done else [
-                    (greedy, n) for greedy in (True, False) for n in logprobs_widths]
-                sampler_done.add(R)
-                for greedy, num_logprobs in variants:
-                    arrays = StepArrays(
-                        req_ids=[], input_ids=np.zeros(T, np.int32),
-                        prev_rows=np.full(T, -1, np.int32),
-                        positions=np.zeros(T, np.int32), slot_mapping=np.zeros(T, np.int32),
-                        query_start_loc=np.zeros(R + 1, np.int32), seq_lens=np.zeros(R, np.int32),
-                        block_tables=np.zeros((R, self.max_blocks_per_seq), np.int32),
-                        logits_indices=np.zeros(R, np.int32),
-                        completes_sequence=np.zeros(0, bool))
-                    sampling = make_sampling_metadata([], R, eos_token_ids=self.eos_token_ids,
-                                                      num_logprobs=num_logprobs)
-                    if not greedy:
-                        sampling = dataclasses.replace(sampling, all_greedy=False)
-                    jax.block_until_ready(self._run(arrays, sampling))
+        for T, R in bucket_pairs(self.token_buckets, self.request_buckets):
+            # The sampler's shapes depend on R only: all of its variants with the first T.
+            variants = [(True, 0)] if R in sampler_done else [
+                (greedy, n) for greedy in (True, False) for n in logprobs_widths]
+            sampler_done.add(R)
+            for greedy, num_logprobs in variants:
+                sampling = make_sampling_metadata([], R, eos_token_ids=self.eos_token_ids,
+                                                  num_logprobs=num_logprobs)
+                if not greedy:
+                    sampling = dataclasses.replace(sampling, all_greedy=False)
+                arrays = StepArrays.empty(T, R, self.max_blocks_per_seq)
+                jax.block_until_ready(self._run(arrays, sampling))
         self.warmed_up = True
         return time.perf_counter() - start
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
@@ -18,8 +19,9 @@ from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.distributed.mesh import place, rank_meshes
 from jaxserve.distributed.sharding import (AXIS, expand_kv_heads, kv_cache_sharding, pad_vocab,
                                            param_sharding, validate_tensor_parallel)
+from jaxserve.executor.step_program import kv_blocks_for, largest_step_temp_bytes
 from jaxserve.executor.model_runner import ModelRunner, dtype_of
-from jaxserve.layers.attention import get_attention_backend, validate_backend
+from jaxserve.layers.attention import AttentionBackend, get_attention_backend, validate_backend
 from jaxserve.models.checkpoint_io import load_converted, read_converted_config
 from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
 from jaxserve.models.llama_config import param_shapes
@@ -72,15 +74,10 @@ class Worker:
                       for name, w in params.items()}
         self.model_config = cfg
         self.max_model_len = m.max_model_len or cfg.max_position_embeddings
-        self.model = Llama(cfg, placed, self.dtype)
-        if restored:  # the model holds per-layer copies; drop the stacked device arrays
-            self.loaded = dataclasses.replace(self.loaded, params={})
-        self.num_blocks = self._num_kv_blocks()
-        self.kv_sharding = kv_cache_sharding(self.mesh)
-        k_cache, v_cache = jax.jit(
-            lambda: init_kv_cache(cfg, self.num_blocks, config.cache.block_size, self.dtype),
-            out_shardings=(self.kv_sharding, self.kv_sharding))()
         platform = self.mesh.devices.flat[0].platform
+        self.model = Llama(cfg, placed, self.dtype, scan_layers=config.runner.scans_layers(platform))
+        if restored:  # the model holds the arrays it needs; drop the loader's references
+            self.loaded = dataclasses.replace(self.loaded, params={})
         backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh)
         validate_backend(backend, platform=platform, num_q_heads=cfg.num_heads // tp,
                          num_kv_heads=cfg.num_kv_heads // tp, head_dim=cfg.head_dim,
@@ -89,6 +86,11 @@ class Worker:
                          pages_per_seq=-(-self.max_model_len // config.cache.block_size),
                          max_num_tokens=config.scheduler.max_num_batched_tokens,
                          dtype=jnp.dtype(self.dtype).name)
+        self.num_blocks = self._num_kv_blocks(backend)
+        self.kv_sharding = kv_cache_sharding(self.mesh)
+        k_cache, v_cache = jax.jit(
+            lambda: init_kv_cache(cfg, self.num_blocks, config.cache.block_size, self.dtype),
+            out_shardings=(self.kv_sharding, self.kv_sharding))()
         self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend, self.mesh,
                                   self.max_model_len, cfg.eos_token_ids)
 
@@ -101,7 +103,9 @@ class Worker:
                   for name, shape in param_shapes(cfg).items()}
         return load_converted(path, target)
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, backend: AttentionBackend) -> int:
+        """On TPU/GPU: the memory share left after the weights (in use now) and the largest
+        step's temporaries, as the compiler reports them. On CPU: cpu_kv_cache_space_gib."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
@@ -110,11 +114,12 @@ class Worker:
                                              self.dtype) // tp  # per device: its KV heads
         stats = self.mesh.devices.flat[0].memory_stats() or {}
         if "bytes_limit" in stats:
-            budget = stats["bytes_limit"] * cache.gpu_memory_utilization - stats.get(
-                "bytes_in_use", 0)
+            temp = largest_step_temp_bytes(*nnx.split(self.model), self.model_config,
+                                           self.config, backend, self.max_model_len)
+            num_blocks = kv_blocks_for(stats["bytes_limit"], cache.gpu_memory_utilization,
+                                       stats.get("bytes_in_use", 0), temp, per_block)
         else:
-            budget = cache.cpu_kv_cache_space_gib * 2**30
-        num_blocks = int(budget // per_block)
+            num_blocks = int(cache.cpu_kv_cache_space_gib * 2**30 // per_block)
         blocks_per_seq = -(-self.max_model_len // cache.block_size)
         if num_blocks < blocks_per_seq + 1:
             raise ValueError(f"KV cache budget holds {num_blocks} blocks of {per_block} bytes, "

@@ -33,7 +33,7 @@ AttendFn = Callable[..., jax.Array]
 WriteFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
-def _scatter_write(k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array, k: jax.Array,
+def scatter_write(k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array, k: jax.Array,
                    v: jax.Array, slot_mapping: jax.Array, query_start_loc: jax.Array,
                    ) -> tuple[jax.Array, jax.Array]:
     del query_start_loc  # padding tokens write the null block
@@ -54,22 +54,22 @@ class AttentionBackend:
     name: str
     kernel: AttendFn
     mesh: Mesh | None = None
-    writer: WriteFn = _scatter_write
+    writer: WriteFn = scatter_write
 
     def _per_device(self, is_kernel: bool) -> bool:
         return is_kernel and self.mesh is not None and self.mesh.shape["model"] > 1
 
-    def write(self, k_cache: jax.Array, v_cache: jax.Array, layer: int, k: jax.Array,
+    def write(self, k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array, k: jax.Array,
               v: jax.Array, md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-        args = (k_cache, v_cache, jnp.int32(layer), k, v, md.slot_mapping, md.query_start_loc)
-        if not self._per_device(self.writer is not _scatter_write):
+        args = (k_cache, v_cache, jnp.asarray(layer, jnp.int32), k, v, md.slot_mapping, md.query_start_loc)
+        if not self._per_device(self.writer is not scatter_write):
             return self.writer(*args)
         heads, cache = P(None, "model", None), P(None, "model")
         return jax.shard_map(self.writer, mesh=self.mesh,
                              in_specs=(cache, cache, P(), heads, heads, P(), P()),
                              out_specs=(cache, cache), check_vma=False)(*args)
 
-    def attend(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int,
+    def attend(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array,
                md: AttentionMetadata, **kwargs: object) -> jax.Array:
         def kernel(q, k_cache, v_cache, layer, seq_lens, block_tables, query_start_loc):
             return self.kernel(q, k_cache, v_cache, layer, seq_lens, block_tables,
@@ -78,7 +78,7 @@ class AttentionBackend:
         args = (q, k_cache, v_cache, layer, md.seq_lens, md.block_tables, md.query_start_loc)
         if not self._per_device(self.name != "xla"):
             return kernel(*args)
-        args = (q, k_cache, v_cache, jnp.int32(layer), *args[4:])  # shard_map takes arrays
+        args = (q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), *args[4:])  # shard_map takes arrays
         heads, cache = P(None, "model", None), P(None, "model")
         return jax.shard_map(kernel, mesh=self.mesh,
                              in_specs=(heads, cache, cache, P(), P(), P(), P()),
@@ -91,7 +91,7 @@ def _pallas_kernels(kind: str, interpret: bool) -> tuple[AttendFn, WriteFn]:
     from pallas_kernels import kv_write_tpu, ragged_paged_attention_gpu, ragged_paged_attention_tpu
 
     if kind == "gpu":  # XLA:GPU scatters into the cache in place
-        return functools.partial(ragged_paged_attention_gpu, interpret=interpret), _scatter_write
+        return functools.partial(ragged_paged_attention_gpu, interpret=interpret), scatter_write
     return (functools.partial(ragged_paged_attention_tpu, interpret=interpret),
             functools.partial(kv_write_tpu, interpret=interpret))
 

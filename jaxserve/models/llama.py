@@ -1,9 +1,12 @@
 """The Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) in Flax NNX over a paged KV cache.
 
-Checkpoints stack each layer weight on axis 0; the model keeps one array per layer and unrolls the
-layers in Python. Under `lax.scan` each step would slice every layer's weights out of the stack,
-and XLA:CPU copies such slices: a second pass over all the weights per step (a decode step of the
-30M dummy model took 41 ms scanned, 24 ms unrolled). Compile time grows with depth instead.
+Checkpoints stack each layer weight on axis 0. Two ways to run the layers, one layer function:
+- unrolled (the CPU default): one array per layer, the layers unrolled in Python. Under
+  `lax.scan` XLA:CPU copies each step's slice of the stacked weights: a second pass over all the
+  weights per step (a decode step of the 30M dummy model took 41 ms scanned, 24 ms unrolled).
+- scanned (`scan_layers`, the TPU/GPU default): the stacked weights as they are and one
+  `lax.scan` over them, with the layer index traced. Compile time does not grow with depth, and
+  the weights are never held twice.
 The forward pass takes a flattened ragged batch (`input_ids[T]` with explicit positions) and
 reads/writes the paged cache through an attention backend.
 """
@@ -33,19 +36,26 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 class Llama(nnx.Module):
     """Holds the weights as `nnx.Param`s; `__call__` is a pure function of them."""
 
-    def __init__(self, cfg: LlamaConfig, params: dict[str, Any], dtype: Any = jnp.float32):
+    def __init__(self, cfg: LlamaConfig, params: dict[str, Any], dtype: Any = jnp.float32,
+                 scan_layers: bool = False):
         """`params`: the canonical weight dict (numpy, or jax arrays already placed on their
         shardings); the vocabulary may be padded for tensor parallelism."""
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
+        self.scan_layers = scan_layers
         self.embed = nnx.Param(jnp.asarray(params["embed"], self.dtype))
         self.final_norm = nnx.Param(jnp.asarray(params["final_norm"], self.dtype))
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nnx.Param(jnp.asarray(params["lm_head"], self.dtype)))
-        self.layers = nnx.List([
-            nnx.Dict({name: nnx.Param(jnp.asarray(params[name][i], self.dtype))
-                      for name in LAYER_PARAMS if name in params})
-            for i in range(cfg.num_layers)])
+        names = [name for name in LAYER_PARAMS if name in params]
+        if scan_layers:  # [L, ...] each
+            self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name], self.dtype))
+                                    for name in names})
+        else:
+            self.layers = nnx.List([
+                nnx.Dict({name: nnx.Param(jnp.asarray(params[name][i], self.dtype))
+                          for name in names})
+                for i in range(cfg.num_layers)])
 
     def __call__(
         self,
@@ -60,28 +70,46 @@ class Llama(nnx.Module):
         inv_freq = jnp.asarray(inverse_frequencies(cfg.head_dim, cfg.rope_theta,
                                                    cfg.rope_scaling_dict))  # a constant
 
-        for layer, params in enumerate(self.layers):
-            w = {name: p[...] for name, p in params.items()}
-            h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
-            if cfg.attention_bias:
-                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-            T = x.shape[0]
-            q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-            q = apply_rotary(q, md.positions, inv_freq)
-            k = apply_rotary(k, md.positions, inv_freq)
-            k_cache, v_cache = backend.write(k_cache, v_cache, layer, k, v, md)
-            o = backend.attend(q, k_cache, v_cache, layer, md, sm_scale=cfg.head_dim ** -0.5,
-                               sliding_window=cfg.sliding_window)
-            x = x + o.reshape(T, -1) @ w["wo"]
-            h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        def layer(carry: tuple[jax.Array, jax.Array, jax.Array], w: dict[str, jax.Array],
+                  index: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            return self._layer(*carry, w, index, md, backend, inv_freq)
+
+        carry = (x, k_cache, v_cache)
+        if self.scan_layers:
+            stacked = {name: p[...] for name, p in self.layers.items()}
+            carry, _ = jax.lax.scan(lambda c, wi: (layer(c, *wi), None), carry,
+                                    (stacked, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+        else:
+            for index, params in enumerate(self.layers):
+                carry = layer(carry, {name: p[...] for name, p in params.items()}, index)
+        x, k_cache, v_cache = carry
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), k_cache, v_cache
+
+    def _layer(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+               w: dict[str, jax.Array], index: int | jax.Array, md: AttentionMetadata,
+               backend: AttentionBackend, inv_freq: jax.Array,
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
+        h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+        if cfg.attention_bias:
+            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+        T = x.shape[0]
+        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q = apply_rotary(q, md.positions, inv_freq)
+        k = apply_rotary(k, md.positions, inv_freq)
+        k_cache, v_cache = backend.write(k_cache, v_cache, index, k, v, md)
+        o = backend.attend(q, k_cache, v_cache, index, md, sm_scale=cfg.head_dim ** -0.5,
+                           sliding_window=cfg.sliding_window)
+        x = x + o.reshape(T, -1) @ w["wo"]
+        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        return x, k_cache, v_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> f32[N, V]
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]

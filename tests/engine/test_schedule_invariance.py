@@ -44,6 +44,10 @@ SETTINGS = {
     "pallas_threshold_small": {"attention_backend": "pallas_interpret",
                                "long_prefill_token_threshold": 8},
     "pallas_tiny_pool_preempts": {"attention_backend": "pallas_interpret", "num_kv_blocks": 14},
+    # The layer loop as lax.scan (the TPU/GPU default), with both backends.
+    "scan_layers": {"scan_layers": True},
+    "pallas_scan_layers_tiny_pool": {"attention_backend": "pallas_interpret", "scan_layers": True,
+                                     "num_kv_blocks": 14},
 }
 
 
@@ -57,7 +61,7 @@ def test_greedy_tokens_do_not_depend_on_the_schedule(expected, compile_cache_dir
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     stats = llm.stats()
-    if name.endswith("preempts"):
+    if name.endswith(("preempts", "tiny_pool")):
         assert stats.num_preemptions > 0
     if name in ("default", "pallas_default"):
         assert stats.prefix_cache_hits > 0  # the shared prefix was really reused

@@ -1,0 +1,254 @@
+"""The engine's real model step compiled for a TPU or GPU target on a host without the chips.
+
+Abstract weights (shapes and shardings only) go through the same jitted `_step` the model runner
+calls, with the same TP sharding rules and attention backend, and the target's own compiler
+(libtpu for TPU topologies, the CUDA compile-only plugin for GPU descriptions) builds it. What
+the compiler reports is deterministic: per-device memory, the ops that copy or transpose a
+buffer as large as a layer of the KV cache, and the bytes its cost model says the step moves
+outside the Pallas kernels (XLA's cost analysis does not see inside custom calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.config import EngineConfig
+from jaxserve.distributed.sharding import (AXIS, padded_vocab_size,
+                                           param_sharding, validate_tensor_parallel)
+from jaxserve.executor.model_runner import bucket_pairs, dtype_of, step_buckets
+from jaxserve.executor.step_program import (StepProgram, kv_blocks_for, largest_step_temp_bytes,
+                                            step_program)
+from jaxserve.executor.targets import Target
+from jaxserve.layers.attention import get_attention_backend, scatter_write
+from jaxserve.models.llama import Llama, kv_cache_bytes_per_block
+from jaxserve.models.llama_config import LlamaConfig, param_shapes
+
+MAX_TEMP_FRACTION = 0.05  # the gate: a step's temporaries must stay under 5% of HBM
+
+
+@dataclass
+class BucketReport:
+    num_tokens: int
+    num_reqs: int
+    compiled: bool = False
+    error: str | None = None
+    compile_seconds: float = 0.0
+    temp_bytes: int = 0
+    total_bytes: int = 0  # arguments + outputs - aliased + temporaries, per device
+    cache_copies: int = 0  # copy/transpose ops of >= one layer of the KV cache
+    bytes_accessed: float | None = None  # outside the Pallas kernels; None where not reported
+
+
+@dataclass
+class CompileReport:
+    target: str
+    device_kind: str
+    hbm_bytes: int
+    num_layers: int
+    tensor_parallel_size: int
+    dtype: str
+    block_size: int
+    num_blocks: int
+    weight_bytes: int  # per device
+    kv_bytes: int  # per device
+    buckets: list[BucketReport] = field(default_factory=list)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def failures(self, max_temp_fraction: float = MAX_TEMP_FRACTION) -> list[str]:
+        out = []
+        for b in self.buckets:
+            where = f"T={b.num_tokens} R={b.num_reqs}"
+            if not b.compiled:
+                out.append(f"{where}: {b.error}")
+                continue
+            if b.cache_copies:
+                out.append(f"{where}: {b.cache_copies} copies of the KV cache")
+            if b.temp_bytes > max_temp_fraction * self.hbm_bytes:
+                out.append(f"{where}: temporaries {b.temp_bytes / 2**30:.2f} GiB over "
+                           f"{max_temp_fraction:.0%} of HBM")
+            if b.total_bytes > self.hbm_bytes:
+                out.append(f"{where}: {b.total_bytes / 2**30:.2f} GiB exceeds HBM")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"kv_tokens": self.kv_tokens, "failures": self.failures()}
+
+
+# ---- the abstract model --------------------------------------------------------------------
+def device_model_config(cfg: LlamaConfig, tp: int) -> LlamaConfig:
+    """The model as the devices hold it: KV heads duplicated when TP exceeds their count."""
+    validate_tensor_parallel(cfg, tp)
+    return cfg.replace(num_kv_heads=tp) if tp > cfg.num_kv_heads else cfg
+
+
+def abstract_model(cfg: LlamaConfig, mesh: Mesh, dtype: Any,
+                   scan_layers: bool) -> tuple[nnx.GraphDef, Any]:
+    """The Llama module's graph and its state as sharded ShapeDtypeStructs: no weights."""
+    tp = mesh.shape[AXIS]
+    shapes = param_shapes(cfg)
+    vocab = padded_vocab_size(cfg.vocab_size, tp)
+    shapes["embed"] = (vocab, cfg.hidden_size)
+    if "lm_head" in shapes:
+        shapes["lm_head"] = (cfg.hidden_size, vocab)
+    model = nnx.eval_shape(lambda: Llama(
+        cfg, {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()}, dtype,
+        scan_layers=scan_layers))
+    graphdef, state = nnx.split(model)
+
+    def placed(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        name = next(n for n in reversed(names) if isinstance(n, str) and n != "value")
+        one_layer = "layers" in names and not scan_layers  # a slice of a stacked weight
+        spec = param_sharding(mesh, name, (1, *leaf.shape) if one_layer else leaf.shape).spec
+        spec = P(*spec[1:]) if one_layer else spec
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+    return graphdef, jax.tree_util.tree_map_with_path(placed, state)
+
+
+def per_device_bytes(tree: Any) -> int:
+    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
+
+
+# ---- one compile ---------------------------------------------------------------------------
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?\S+ = (?P<shape>.+?) (?P<op>[a-z][a-z0-9\-]*)\(")
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_COPY_OPS = ("copy", "copy-start", "transpose")
+
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def _array_bytes(shape_text: str) -> int:
+    """Bytes of an HLO shape's (first) array, e.g. `bf16[32,2,4096,64,128]{...}`."""
+    match = _ARRAY.search(shape_text)
+    if match is None:
+        return 0
+    dims = [int(d) for d in match.group(2).split(",") if d]
+    return int(np.prod(dims)) * _ITEMSIZE.get(match.group(1), 1)
+
+
+def count_large_copies(hlo_text: str, min_bytes: int) -> int:
+    """Ops in compiled HLO that copy or transpose a buffer of at least min_bytes."""
+    count = 0
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match and match.group("op") in _COPY_OPS and _array_bytes(
+                match.group("shape")) >= min_bytes:
+            count += 1
+    return count
+
+
+def _first_line(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def compile_bucket(program: StepProgram, num_tokens: int, num_reqs: int,
+                   layer_kv_bytes: int) -> BucketReport:
+    report = BucketReport(num_tokens, num_reqs)
+    start = time.perf_counter()
+    try:
+        compiled = program.compile(num_tokens, num_reqs)
+    except Exception as e:  # noqa: BLE001 - the compiler's refusal is the report
+        report.error = _first_line(e)
+        return report
+    report.compile_seconds = time.perf_counter() - start
+    report.compiled = True
+    mem = compiled.memory_analysis()
+    report.temp_bytes = int(mem.temp_size_in_bytes)
+    report.total_bytes = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                             - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+    report.cache_copies = count_large_copies(compiled.as_text(), layer_kv_bytes)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) and cost else cost
+    if isinstance(cost, dict) and "bytes accessed" in cost:
+        report.bytes_accessed = float(cost["bytes accessed"])
+    return report
+
+
+# ---- the whole check -----------------------------------------------------------------------
+def accelerator_dtype(config: EngineConfig) -> Any:
+    return jnp.bfloat16 if config.model.dtype == "auto" else dtype_of(config.model.dtype)
+
+
+def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
+          buckets: list[tuple[int, int]] | None = None, kv_write: str = "kernel",
+          ) -> CompileReport:
+    """Compile the model step for every bucket (or the given ones) on the target, with the KV
+    pool sized from the device's memory unless `num_kv_blocks` is set. `kv_write="scatter"`
+    puts XLA's scatter beside the attention kernel, the write that copied the cache on TPU."""
+    tp = config.parallel.tensor_parallel_size
+    if tp > len(target.devices):
+        raise ValueError(f"tensor_parallel_size {tp} needs {tp} devices; {target.name} has "
+                         f"{len(target.devices)}")
+    cfg = device_model_config(cfg, tp)
+    mesh = Mesh(np.array(target.devices[:tp]).reshape(1, tp), ("data", AXIS))
+    max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+    bs = config.cache.block_size
+    pairs = buckets or bucket_pairs(*step_buckets(config))
+    min_blocks = -(-max_model_len // bs) + 1
+    dtype = accelerator_dtype(config)
+    backend = get_attention_backend(config.runner.attention_backend, target.platform, mesh)
+    if kv_write == "scatter":
+        backend = dataclasses.replace(backend, writer=scatter_write)
+    block_bytes = kv_cache_bytes_per_block(cfg, bs, dtype) // tp
+    graphdef, state = abstract_model(cfg, mesh, dtype, config.runner.scans_layers(target.platform))
+    num_blocks = config.cache.num_kv_blocks
+    if num_blocks is None:  # profile the largest step on a minimal pool, then size the pool
+        try:
+            temp = largest_step_temp_bytes(graphdef, state, cfg, config, backend, max_model_len)
+        except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
+            raise ValueError(f"the largest step does not compile on {target.name}: "
+                             f"{_first_line(e)}") from None
+        num_blocks = max(min_blocks, kv_blocks_for(
+            target.hbm_bytes, config.cache.gpu_memory_utilization, per_device_bytes(state),
+            temp, block_bytes))
+    program = step_program(graphdef, state, cfg, config, backend, num_blocks, max_model_len)
+    report = CompileReport(target.name, target.device_kind, target.hbm_bytes, cfg.num_layers,
+                           tp, jnp.dtype(dtype).name, bs, num_blocks,
+                           per_device_bytes(program.state), num_blocks * block_bytes)
+    layer_kv_bytes = num_blocks * block_bytes // (2 * cfg.num_layers)
+    for T, R in pairs:
+        report.buckets.append(compile_bucket(program, T, R, layer_kv_bytes))
+    return report
+
+
+def format_report(report: CompileReport) -> str:
+    gib = 2**30
+    head = (f"{report.target} ({report.device_kind}, {report.hbm_bytes / gib:.1f} GiB HBM per "
+            f"device), {report.num_layers} layers, TP {report.tensor_parallel_size}, "
+            f"{report.dtype}: weights {report.weight_bytes / gib:.2f} GiB + KV "
+            f"{report.kv_bytes / gib:.2f} GiB per device = {report.num_blocks} blocks of "
+            f"{report.block_size} ({report.kv_tokens} tokens)")
+    rows = ["| T | R | compiled | seconds | temporaries GiB | total GiB / HBM | cache copies "
+            "| GB accessed outside kernels | / weight bytes |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for b in report.buckets:
+        if not b.compiled:
+            rows.append(f"| {b.num_tokens} | {b.num_reqs} | no: {b.error} | | | | | | |")
+            continue
+        accessed = ("n/a", "n/a") if b.bytes_accessed is None else (
+            f"{b.bytes_accessed / 1e9:.2f}", f"{b.bytes_accessed / report.weight_bytes:.2f}")
+        rows.append(f"| {b.num_tokens} | {b.num_reqs} | yes | {b.compile_seconds:.1f} | "
+                    f"{b.temp_bytes / gib:.3f} | {b.total_bytes / gib:.2f} / "
+                    f"{report.hbm_bytes / gib:.1f} | {b.cache_copies} | {accessed[0]} | "
+                    f"{accessed[1]} |")
+    failures = report.failures()
+    verdict = "PASS" if not failures else "FAIL\n" + "\n".join(f"- {f}" for f in failures)
+    return "\n".join([head, "", *rows, "", f"compile-check: {verdict}"])

@@ -1,0 +1,80 @@
+"""The engine's model step as an abstract program: weights, KV cache and inputs as sharded
+ShapeDtypeStructs, lowered through the same jitted `_step` the model runner calls. The compile
+check builds it for targets without chips; the worker compiles its largest step once to learn
+the temporaries the KV pool must leave room for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxserve.config import EngineConfig
+from jaxserve.distributed.sharding import kv_cache_sharding
+from jaxserve.executor.input_batch import StepArrays
+from jaxserve.executor.model_runner import (StepStatics, _step, bucket_pairs, step_buckets,
+                                            step_inputs)
+from jaxserve.layers.attention import AttentionBackend
+from jaxserve.models.llama_config import LlamaConfig
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """Everything `_step` needs, abstract, for one engine configuration on one mesh."""
+    statics: StepStatics
+    state: Any
+    kv: jax.ShapeDtypeStruct
+    prev_sampled: jax.ShapeDtypeStruct
+    max_blocks_per_seq: int
+
+    def compile(self, num_tokens: int, num_reqs: int) -> Any:
+        inputs, layout = step_inputs(StepArrays.empty(num_tokens, num_reqs,
+                                                      self.max_blocks_per_seq))
+        replicated = NamedSharding(self.statics.kv_sharding.mesh, P())
+        packed = jax.ShapeDtypeStruct(inputs.shape, inputs.dtype, sharding=replicated)
+        mesh = self.statics.kv_sharding.mesh
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # Pallas TPU lowering needs it
+            lowered = _step.trace(self.statics, layout, self.state, self.kv, self.kv,
+                                  self.prev_sampled, packed).lower()
+        return lowered.compile()
+
+
+def step_program(graphdef: nnx.GraphDef, state: Any, cfg: LlamaConfig, config: EngineConfig,
+                 backend: AttentionBackend, num_blocks: int, max_model_len: int) -> StepProgram:
+    """`state`: the model's weights, real or abstract, on the mesh the KV cache will live on."""
+    mesh = jax.tree.leaves(state)[0].sharding.mesh
+    kv_sharding = kv_cache_sharding(mesh)
+    bs = config.cache.block_size
+    kv = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, num_blocks, bs, cfg.head_dim),
+                              jax.tree.leaves(state)[0].dtype, sharding=kv_sharding)
+    _, request_buckets = step_buckets(config)
+    prev = jax.ShapeDtypeStruct((request_buckets[-1],), jnp.int32,
+                                sharding=NamedSharding(mesh, P()))
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                         state)
+    return StepProgram(StepStatics(graphdef, backend, kv_sharding), state, kv, prev,
+                       -(-max_model_len // bs))
+
+
+def largest_step_temp_bytes(graphdef: nnx.GraphDef, state: Any, cfg: LlamaConfig,
+                            config: EngineConfig, backend: AttentionBackend,
+                            max_model_len: int) -> int:
+    """The temporaries of the engine's largest step, compiled over a minimal KV pool (they do
+    not grow with the pool: the cache is updated in place)."""
+    min_blocks = -(-max_model_len // config.cache.block_size) + 1
+    program = step_program(graphdef, state, cfg, config, backend, min_blocks, max_model_len)
+    compiled = program.compile(*max(bucket_pairs(*step_buckets(config))))
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def kv_blocks_for(hbm_bytes: int, utilization: float, weight_bytes: int, temp_bytes: int,
+                  block_bytes: int) -> int:
+    """KV pool size on one device: what the memory share leaves after the weights and the
+    step's temporaries (vLLM sizes its pool the same way, from a profile run)."""
+    return max(0, int((hbm_bytes * utilization - weight_bytes - temp_bytes) // block_bytes))
+
+
