@@ -59,6 +59,7 @@ class RunnerConfig:
     precompile: bool = False
     strict_compile: bool = False  # raise on a compilation after warm-up
     compilation_cache_dir: str | None = None  # JAX persistent cache; "" disables
+    compiled_dir: str | None = None  # executables from `jaxserve compile`: nothing compiles
 
     def scans_layers(self, platform: str) -> bool:
         """lax.scan over the layers where it measured best: TPU/GPU (compile time flat in

@@ -58,7 +58,8 @@ class EngineCore:
         self.router = DPRouter(self.schedulers)
         self.num_steps = 0
         self._in_flight: tuple[list[SchedulerOutput], list[PendingStep | None]] | None = None
-        self.warm_up_seconds = self.executor.warm_up() if config.runner.precompile else 0.0
+        warm = config.runner.precompile or config.runner.compiled_dir is not None
+        self.warm_up_seconds = self.executor.warm_up() if warm else 0.0
 
     @property
     def scheduler(self) -> Scheduler:

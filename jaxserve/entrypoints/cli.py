@@ -59,7 +59,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 # Other subcommands live beside their job and register themselves: module -> `register(sub)`.
 SUBCOMMAND_MODULES = ("jaxserve.entrypoints.serve_cli", "jaxserve.entrypoints.run_cli",
-                      "jaxserve.entrypoints.compile_check_cli")
+                      "jaxserve.entrypoints.compile_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

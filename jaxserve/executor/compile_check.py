@@ -187,11 +187,10 @@ def accelerator_dtype(config: EngineConfig) -> Any:
     return jnp.bfloat16 if config.model.dtype == "auto" else dtype_of(config.model.dtype)
 
 
-def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
-          buckets: list[tuple[int, int]] | None = None, kv_write: str = "kernel",
-          ) -> CompileReport:
-    """Compile the model step for every bucket (or the given ones) on the target, with the KV
-    pool sized from the device's memory unless `num_kv_blocks` is set. `kv_write="scatter"`
+def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: str = "kernel",
+            ) -> tuple[StepProgram, CompileReport]:
+    """The abstract step on the target's first TP devices, with the KV pool sized from the
+    device's memory unless `num_kv_blocks` is set, and an empty report. `kv_write="scatter"`
     puts XLA's scatter beside the attention kernel, the write that copied the cache on TPU."""
     tp = config.parallel.tensor_parallel_size
     if tp > len(target.devices):
@@ -201,7 +200,6 @@ def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
     mesh = Mesh(np.array(target.devices[:tp]).reshape(1, tp), ("data", AXIS))
     max_model_len = config.model.max_model_len or cfg.max_position_embeddings
     bs = config.cache.block_size
-    pairs = buckets or bucket_pairs(*step_buckets(config))
     min_blocks = -(-max_model_len // bs) + 1
     dtype = accelerator_dtype(config)
     backend = get_attention_backend(config.runner.attention_backend, target.platform, mesh)
@@ -223,8 +221,16 @@ def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
     report = CompileReport(target.name, target.device_kind, target.hbm_bytes, cfg.num_layers,
                            tp, jnp.dtype(dtype).name, bs, num_blocks,
                            per_device_bytes(program.state), num_blocks * block_bytes)
-    layer_kv_bytes = num_blocks * block_bytes // (2 * cfg.num_layers)
-    for T, R in pairs:
+    return program, report
+
+
+def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
+          buckets: list[tuple[int, int]] | None = None, kv_write: str = "kernel",
+          ) -> CompileReport:
+    """Compile the model step for every bucket (or the given ones) on the target."""
+    program, report = prepare(target, cfg, config, kv_write)
+    layer_kv_bytes = report.kv_bytes // (2 * report.num_layers)
+    for T, R in buckets or bucket_pairs(*step_buckets(config)):
         report.buckets.append(compile_bucket(program, T, R, layer_kv_bytes))
     return report
 

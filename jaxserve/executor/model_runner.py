@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import EngineConfig, power_of_two_buckets
@@ -42,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 class UnexpectedCompilationError(RuntimeError):
     pass
+
+
+ProgramKey = tuple[str, PackedLayout | None]  # (kind, the packed inputs' layout)
 
 
 class PendingStep(NamedTuple):
@@ -124,6 +128,29 @@ def step_inputs(arrays: StepArrays) -> tuple[np.ndarray, PackedLayout]:
     return pack((arrays.input_ids, arrays.prev_rows, md, arrays.logits_indices))
 
 
+def warm_up_programs(token_buckets: list[int], request_buckets: list[int],
+                     max_blocks_per_seq: int, eos_token_ids: tuple[int, ...],
+                     max_logprobs: int) -> list[tuple[StepArrays, SamplingMetadata]]:
+    """The steps warm-up runs: the model for every (token bucket, request bucket) pair, and the
+    sampler for every request bucket: greedy and sampled, without and with logprobs. Penalties
+    compile the sampler (only) for each new history width on first use."""
+    logprobs_widths = sorted({0, max_logprobs})
+    sampler_done: set[int] = set()
+    out = []
+    for T, R in bucket_pairs(token_buckets, request_buckets):
+        # The sampler's shapes depend on R only: all of its variants with the first T.
+        variants = [(True, 0)] if R in sampler_done else [
+            (greedy, n) for greedy in (True, False) for n in logprobs_widths]
+        sampler_done.add(R)
+        for greedy, num_logprobs in variants:
+            sampling = make_sampling_metadata([], R, eos_token_ids=eos_token_ids,
+                                              num_logprobs=num_logprobs)
+            if not greedy:
+                sampling = dataclasses.replace(sampling, all_greedy=False)
+            out.append((StepArrays.empty(T, R, max_blocks_per_seq), sampling))
+    return out
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Llama, k_cache: jax.Array, v_cache: jax.Array,
                  backend: AttentionBackend, mesh: Mesh, max_model_len: int,
@@ -147,6 +174,8 @@ class ModelRunner:
         self.prev_sampled = jax.device_put(np.zeros(self.request_buckets[-1], np.int32),
                                            NamedSharding(mesh, P()))
         self.running_rows: dict[str, int] = {}
+        # Programs built ahead of time (a compiled directory), called directly: no tracing.
+        self.executables: dict[ProgramKey, Any] = {}
         self.compiled_shapes: set[tuple[Any, ...]] = set()
         self.num_compilations = 0
         self.warmed_up = False
@@ -188,18 +217,26 @@ class ModelRunner:
                                  self._logprobs(out, rows) if wants_logprobs else None)
 
     def _run(self, arrays: StepArrays, sampling: SamplingMetadata) -> SamplerOutput:
-        self._count_shape(("step", len(arrays.input_ids), len(arrays.seq_lens)))
-        self._count_shape(("sample", len(arrays.seq_lens), sampling.output_token_ids.shape[1],
-                           sampling.prompt_token_ids.shape[1],
-                           sampling.blocked_token_ids.shape[1], sampling.all_greedy,
-                           sampling.num_logprobs))
         inputs, layout = step_inputs(arrays)
-        self.k_cache, self.v_cache, logits = _step(
-            self.statics, layout, self.params, self.k_cache, self.v_cache, self.prev_sampled,
-            replicate(inputs, self.mesh))
+        args = (self.params, self.k_cache, self.v_cache, self.prev_sampled,
+                replicate(inputs, self.mesh))
+        step = self.executables.get(("step", layout))
+        if step is None:
+            self._count_shape(("step", len(arrays.input_ids), len(arrays.seq_lens)))
+            self.k_cache, self.v_cache, logits = _step(self.statics, layout, *args)
+        else:
+            self.k_cache, self.v_cache, logits = step(*args)
         sampling_inputs, sampling_layout = pack(sampling)
-        out, self.prev_sampled = _sample(sampling_layout, logits, self.prev_sampled,
-                                         replicate(sampling_inputs, self.mesh))
+        args = (logits, self.prev_sampled, replicate(sampling_inputs, self.mesh))
+        sample_fn = self.executables.get(("sample", sampling_layout))
+        if sample_fn is None:
+            self._count_shape(("sample", len(arrays.seq_lens), sampling.output_token_ids.shape[1],
+                               sampling.prompt_token_ids.shape[1],
+                               sampling.blocked_token_ids.shape[1], sampling.all_greedy,
+                               sampling.num_logprobs))
+            out, self.prev_sampled = _sample(sampling_layout, *args)
+        else:
+            out, self.prev_sampled = sample_fn(*args)
         return out
 
     @staticmethod
@@ -264,26 +301,40 @@ class ModelRunner:
 
     # ---- warm-up -------------------------------------------------------------------------
     def warm_up(self) -> float:
-        """Compile the model for every (token bucket, request bucket) pair, and the sampler for
-        every request bucket: greedy and sampled, without and with logprobs. Penalties compile
-        the sampler (only) for each new history width on first use."""
+        """Compile every program of `warm_up_programs` that was not loaded ready-made (from a
+        compiled directory), by running it once on padding."""
         start = time.perf_counter()
-        logprobs_widths = sorted({0, self.config.model.max_logprobs})
-        sampler_done: set[int] = set()
-        for T, R in bucket_pairs(self.token_buckets, self.request_buckets):
-            # The sampler's shapes depend on R only: all of its variants with the first T.
-            variants = [(True, 0)] if R in sampler_done else [
-                (greedy, n) for greedy in (True, False) for n in logprobs_widths]
-            sampler_done.add(R)
-            for greedy, num_logprobs in variants:
-                sampling = make_sampling_metadata([], R, eos_token_ids=self.eos_token_ids,
-                                                  num_logprobs=num_logprobs)
-                if not greedy:
-                    sampling = dataclasses.replace(sampling, all_greedy=False)
-                arrays = StepArrays.empty(T, R, self.max_blocks_per_seq)
-                jax.block_until_ready(self._run(arrays, sampling))
+        programs = [(arrays, sampling) for arrays, sampling in self.warm_up_programs()
+                    if not self._loaded(arrays, sampling)]
+        for arrays, sampling in tqdm(programs, desc="compiling", unit="program",
+                                     disable=None if programs else True):
+            jax.block_until_ready(self._run(arrays, sampling))
         self.warmed_up = True
         return time.perf_counter() - start
+
+    def warm_up_programs(self) -> list[tuple[StepArrays, SamplingMetadata]]:
+        return warm_up_programs(self.token_buckets, self.request_buckets, self.max_blocks_per_seq,
+                                self.eos_token_ids, self.config.model.max_logprobs)
+
+    def _loaded(self, arrays: StepArrays, sampling: SamplingMetadata) -> bool:
+        return (("step", step_inputs(arrays)[1]) in self.executables
+                and ("sample", pack(sampling)[1]) in self.executables)
+
+    def compile_programs(self) -> dict[ProgramKey, Any]:
+        """Every warm-up program compiled (not run): what `jaxserve compile` saves."""
+        out: dict[ProgramKey, Any] = {}
+        for arrays, sampling in self.warm_up_programs():
+            inputs, layout = step_inputs(arrays)
+            step_key = ("step", layout)
+            if step_key not in out:
+                out[step_key] = _step.trace(self.statics, layout, self.params, self.k_cache,
+                                            self.v_cache, self.prev_sampled, inputs).lower().compile()
+            sampling_inputs, sampling_layout = pack(sampling)
+            if ("sample", sampling_layout) not in out:
+                logits = out[step_key].out_info[2]
+                out["sample", sampling_layout] = _sample.trace(
+                    sampling_layout, logits, self.prev_sampled, sampling_inputs).lower().compile()
+        return out
 
 
 def dtype_of(name: str) -> Any:

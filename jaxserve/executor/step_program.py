@@ -10,14 +10,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.config import EngineConfig
 from jaxserve.distributed.sharding import kv_cache_sharding
 from jaxserve.executor.input_batch import StepArrays
-from jaxserve.executor.model_runner import (StepStatics, _step, bucket_pairs, step_buckets,
-                                            step_inputs)
+from jaxserve.executor.model_runner import (StepStatics, _sample, _step, bucket_pairs,
+                                            step_buckets, step_inputs)
+from jaxserve.executor.packing import pack
+from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.models.llama_config import LlamaConfig
 
@@ -31,16 +34,28 @@ class StepProgram:
     prev_sampled: jax.ShapeDtypeStruct
     max_blocks_per_seq: int
 
+    @property
+    def mesh(self) -> Any:
+        return self.statics.kv_sharding.mesh
+
     def compile(self, num_tokens: int, num_reqs: int) -> Any:
         inputs, layout = step_inputs(StepArrays.empty(num_tokens, num_reqs,
                                                       self.max_blocks_per_seq))
-        replicated = NamedSharding(self.statics.kv_sharding.mesh, P())
-        packed = jax.ShapeDtypeStruct(inputs.shape, inputs.dtype, sharding=replicated)
-        mesh = self.statics.kv_sharding.mesh
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # Pallas TPU lowering needs it
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # Pallas TPU lowering
             lowered = _step.trace(self.statics, layout, self.state, self.kv, self.kv,
-                                  self.prev_sampled, packed).lower()
+                                  self.prev_sampled, self.replicated(inputs)).lower()
         return lowered.compile()
+
+    def compile_sampler(self, sampling: SamplingMetadata, logits: jax.ShapeDtypeStruct) -> Any:
+        inputs, layout = pack(sampling)
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            lowered = _sample.trace(layout, logits, self.prev_sampled,
+                                    self.replicated(inputs)).lower()
+        return lowered.compile()
+
+    def replicated(self, host: np.ndarray) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(host.shape, host.dtype,
+                                    sharding=NamedSharding(self.mesh, P()))
 
 
 def step_program(graphdef: nnx.GraphDef, state: Any, cfg: LlamaConfig, config: EngineConfig,

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,8 @@ from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.distributed.mesh import place, rank_meshes
 from jaxserve.distributed.sharding import (AXIS, expand_kv_heads, kv_cache_sharding, pad_vocab,
                                            param_sharding, validate_tensor_parallel)
+from jaxserve.executor import compiled_dir
+from jaxserve.executor.compiled_dir import KV_INIT
 from jaxserve.executor.step_program import kv_blocks_for, largest_step_temp_bytes
 from jaxserve.executor.model_runner import ModelRunner, dtype_of
 from jaxserve.layers.attention import AttentionBackend, get_attention_backend, validate_backend
@@ -88,11 +91,38 @@ class Worker:
                          dtype=jnp.dtype(self.dtype).name)
         self.num_blocks = self._num_kv_blocks(backend)
         self.kv_sharding = kv_cache_sharding(self.mesh)
-        k_cache, v_cache = jax.jit(
-            lambda: init_kv_cache(cfg, self.num_blocks, config.cache.block_size, self.dtype),
-            out_shardings=(self.kv_sharding, self.kv_sharding))()
+        executables = ({} if config.runner.compiled_dir is None
+                       else self._load_compiled(config.runner.compiled_dir))
+        k_cache, v_cache = (executables.pop(KV_INIT, None) or self.kv_init)()
         self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend, self.mesh,
                                   self.max_model_len, cfg.eos_token_ids)
+        self.runner.executables = executables
+
+    @property
+    def kv_init(self) -> Any:
+        """The jitted program that allocates the zeroed KV pool on the mesh."""
+        cfg, bs = self.model_config, self.config.cache.block_size
+        return jax.jit(lambda: init_kv_cache(cfg, self.num_blocks, bs, self.dtype),
+                       out_shardings=(self.kv_sharding, self.kv_sharding))
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What programs compiled for this worker depend on (see compiled_dir)."""
+        device = self.mesh.devices.flat[0]
+        return compiled_dir.fingerprint(
+            self.config, self.model_config, platform=device.platform,
+            device_kind=device.device_kind, num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len)
+
+    def _load_compiled(self, directory: str) -> dict[Any, Any]:
+        """A directory built for another engine: an error in strict mode, else a warning and
+        a normal compile."""
+        try:
+            return compiled_dir.load(directory, self.fingerprint(), list(self.mesh.devices.flat))
+        except compiled_dir.CompiledDirError as e:
+            if self.config.runner.strict_compile:
+                raise
+            logger.warning("%s; compiling instead", e)
+            return {}
 
     def _restore_sharded(self, path: str) -> LoadedModel:
         """orbax reads each device's shard straight onto it: no full copy on any device."""
@@ -109,6 +139,12 @@ class Worker:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
+        saved = self.config.runner.compiled_dir
+        if saved is not None and (Path(saved) / compiled_dir.MANIFEST).is_file():
+            try:  # the pool the programs were built for (sized for that target's memory)
+                return int(compiled_dir.read_manifest(saved)["fingerprint"]["num_blocks"])
+            except (compiled_dir.CompiledDirError, KeyError, TypeError, ValueError):
+                pass  # refused with its reason when the programs are loaded
         tp = self.mesh.shape[AXIS]
         per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size,
                                              self.dtype) // tp  # per device: its KV heads

@@ -1,0 +1,57 @@
+"""`jaxserve compile`: build every program the engine's warm-up would, ahead of time, and save
+them as a compiled directory (see compiled_dir): on this host for its own devices, or deviceless
+for a TPU topology or GPU description (the compile check's abstract step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import EngineConfig
+from jaxserve.executor import compiled_dir
+from jaxserve.executor.compile_check import device_model_config, prepare
+from jaxserve.executor.model_runner import ProgramKey, step_buckets, step_inputs, warm_up_programs
+from jaxserve.executor.packing import pack
+from jaxserve.executor.targets import Target
+from jaxserve.models.llama_config import LlamaConfig
+
+
+def build_on_host(config: EngineConfig, out: str | Path) -> tuple[Path, int]:
+    """Compile for this host's devices with the real weights loaded (what the engine runs)."""
+    from jaxserve.executor.worker import Worker
+
+    worker = Worker(config)
+    programs = worker.runner.compile_programs() | {
+        compiled_dir.KV_INIT: worker.kv_init.trace().lower().compile()}
+    return compiled_dir.save(out, programs, worker.fingerprint()), len(programs)
+
+
+def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
+                     out: str | Path) -> tuple[Path, int]:
+    """Compile deviceless for the target; weights are abstract, so a model config suffices."""
+    program, report = prepare(target, cfg, config)
+    token_buckets, request_buckets = step_buckets(config)
+    programs: dict[ProgramKey, Any] = {}
+    for arrays, sampling in warm_up_programs(token_buckets, request_buckets,
+                                             program.max_blocks_per_seq, cfg.eos_token_ids,
+                                             config.model.max_logprobs):
+        step_key = ("step", step_inputs(arrays)[1])
+        if step_key not in programs:
+            programs[step_key] = program.compile(len(arrays.input_ids), len(arrays.seq_lens))
+        sample_key = ("sample", pack(sampling)[1])
+        if sample_key not in programs:
+            programs[sample_key] = program.compile_sampler(sampling,
+                                                           programs[step_key].out_info[2])
+    kv = program.kv
+    programs[compiled_dir.KV_INIT] = jax.jit(
+        lambda: (jnp.zeros(kv.shape, kv.dtype), jnp.zeros(kv.shape, kv.dtype)),
+        out_shardings=(kv.sharding, kv.sharding)).trace().lower().compile()
+    fp = compiled_dir.fingerprint(
+        config, device_model_config(cfg, config.parallel.tensor_parallel_size),
+        platform=target.platform,
+        device_kind=target.device_kind, num_blocks=report.num_blocks,
+        max_model_len=config.model.max_model_len or cfg.max_position_embeddings)
+    return compiled_dir.save(out, programs, fp), len(programs)

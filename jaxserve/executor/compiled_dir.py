@@ -1,0 +1,122 @@
+"""Executables built ahead of time: a directory of serialized programs and a manifest.
+
+`jaxserve compile` writes every program the engine's warm-up would build (each model-step
+bucket, each sampler variant) and the one that allocates the KV pool; an engine given `compiled_dir` loads them and calls them
+directly, compiling nothing. The manifest's fingerprint (jax/jaxlib/plugin versions, target,
+model config, every engine argument that affects shapes or sharding, the KV pool size) must
+equal the engine's own; each file's sha256 is checked before it is unpickled, so a corrupt or
+truncated file is refused, never loaded. Load only directories you built: files are pickles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.experimental import serialize_executable
+
+from jaxserve.config import EngineConfig
+from jaxserve.models.llama_config import LlamaConfig
+
+MANIFEST = "manifest.json"
+KV_INIT = ("kv_init", None)  # the program that allocates the zeroed KV pool
+FORMAT = 1
+# Engine arguments that change a program's shapes, sharding or code.
+SHAPE_ARGS = ("dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
+              "token_buckets", "request_buckets", "attention_backend", "scan_layers",
+              "tensor_parallel_size", "max_logprobs")
+_PLUGINS = ("jaxlib", "libtpu", "jax-cuda13-plugin", "jax-cuda12-plugin")
+
+
+class CompiledDirError(ValueError):
+    """The directory cannot be used by this engine; the message names why."""
+
+
+def _versions() -> dict[str, str]:
+    out = {"jax": jax.__version__}
+    for name in _PLUGINS:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def fingerprint(config: EngineConfig, model: LlamaConfig, *, platform: str, device_kind: str,
+                num_blocks: int, max_model_len: int, versions: bool = True) -> dict[str, Any]:
+    """Everything the programs depend on, JSON-normalised so a saved copy compares equal."""
+    args = config.to_kwargs()
+    fp = {"format": FORMAT, "platform": platform, "device_kind": device_kind,
+          "model": dataclasses.asdict(model), "num_blocks": num_blocks,
+          "resolved_max_model_len": max_model_len,
+          **{name: args[name] for name in SHAPE_ARGS}}
+    if versions:
+        fp["versions"] = _versions()
+    return json.loads(json.dumps(fp))
+
+
+def _differences(saved: dict[str, Any], ours: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(saved) | set(ours)):
+        a, b = saved.get(key), ours.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: built for {a!r}, this engine has {b!r}")
+    return out
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CompiledDirError(f"compiled_dir: cannot read {MANIFEST}: {e}") from None
+    if manifest.get("fingerprint", {}).get("format") != FORMAT:
+        raise CompiledDirError(f"compiled_dir: {MANIFEST} is not format {FORMAT}")
+    return manifest
+
+
+def save(directory: str | Path, programs: dict[Any, Any], fp: dict[str, Any]) -> Path:
+    """programs: {key: jax.stages.Compiled}; key is (kind, PackedLayout)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, (key, compiled) in enumerate(programs.items()):
+        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        blob = pickle.dumps((key, payload, in_tree, out_tree))
+        name = f"{i:04d}-{key[0]}.bin"
+        (directory / name).write_bytes(blob)
+        entries.append({"file": name, "kind": key[0], "bytes": len(blob),
+                        "sha256": hashlib.sha256(blob).hexdigest()})
+    manifest = {"fingerprint": fp, "programs": entries}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return directory
+
+
+def load(directory: str | Path, fp: dict[str, Any], devices: list[Any]) -> dict[Any, Any]:
+    """The directory's programs, loaded onto `devices` (one rank's mesh, in order), if it was
+    built for exactly this engine; else CompiledDirError naming what differs or is damaged."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    diffs = _differences(manifest["fingerprint"], fp)
+    if diffs:
+        raise CompiledDirError(f"compiled_dir {directory.name} was built for another engine: "
+                               + "; ".join(diffs[:5]))
+    programs = {}
+    for entry in manifest["programs"]:
+        path = directory / entry["file"]
+        blob = path.read_bytes() if path.is_file() else b""
+        if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+            raise CompiledDirError(f"compiled_dir: {entry['file']} is missing, truncated or "
+                                   "corrupt (sha256 differs from the manifest)")
+        key, payload, in_tree, out_tree = pickle.loads(blob)  # noqa: S301 - hash-checked
+        programs[key] = serialize_executable.deserialize_and_load(
+            payload, in_tree, out_tree, execution_devices=devices)
+    return programs

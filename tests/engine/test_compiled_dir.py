@@ -1,0 +1,96 @@
+"""Executables built ahead of time (`jaxserve compile`, on the host): an engine started from the
+directory compiles nothing (counted by JAX itself, strict mode on) and gives the same tokens; a
+directory built for another engine, or damaged, is refused with a message naming why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from engine_helpers import hf_greedy, random_prompts
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.executor import aot, compiled_dir
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+ENGINE = dict(max_model_len=128, num_kv_blocks=64, block_size=16, max_num_seqs=4,
+              max_num_batched_tokens=32, token_buckets=[16, 32], request_buckets=[4],
+              compilation_cache_dir="")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def built(hf_checkpoint, tmp_path_factory):
+    path = hf_checkpoint("llama")
+    out = tmp_path_factory.mktemp("compiled")
+    aot.build_on_host(EngineConfig.from_kwargs(model=str(path), **ENGINE), out)
+    return path, out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_an_engine_from_a_compiled_dir_compiles_nothing_and_gives_the_same_tokens(built):
+    path, out = built
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: object) -> None:
+        if event == COMPILE_EVENT:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        llm = LLM(str(path), compiled_dir=str(out), precompile=True, strict_compile=True,
+                  **ENGINE)
+        prompts = random_prompts(5, 1, 30, seed=71)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        sampled = llm.generate({"prompt_token_ids": prompts[0]},
+                               SamplingParams(temperature=0.8, seed=3, max_tokens=4, logprobs=2),
+                               use_tqdm=False)[0]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert events == [] and llm.stats().num_compilations == 0  # the KV pool's zeros too
+    assert [o.outputs[0].token_ids for o in got] == hf_greedy(path, prompts, 8)
+    assert len(sampled.outputs[0].logprobs) == 4
+
+
+def test_a_dir_built_for_other_buckets_is_refused_naming_the_field(built, tmp_path):
+    path, out = built
+    other = dict(ENGINE, token_buckets=[16, 32, 64], max_num_batched_tokens=64)
+    with pytest.raises(compiled_dir.CompiledDirError, match="token_buckets"):
+        LLM(str(path), compiled_dir=str(out), strict_compile=True, **other)
+    llm = LLM(str(path), compiled_dir=str(out), **other)  # not strict: a warning, then compiles
+    assert llm.generate({"prompt_token_ids": [3, 4, 5]}, GREEDY, use_tqdm=False)[0].outputs
+
+
+def test_a_dir_built_by_another_jax_is_refused(built, tmp_path):
+    path, out = built
+    moved = _copy(out, tmp_path / "other-jax")
+    manifest = json.loads((moved / compiled_dir.MANIFEST).read_text())
+    manifest["fingerprint"]["versions"]["jax"] = "0.0.1"
+    (moved / compiled_dir.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(compiled_dir.CompiledDirError, match=r"versions\.jax: built for '0.0.1'"):
+        LLM(str(path), compiled_dir=str(moved), strict_compile=True, **ENGINE)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_a_damaged_program_file_is_refused_never_loaded(built, tmp_path, damage):
+    path, out = built
+    moved = _copy(out, tmp_path / damage)
+    victim = sorted(moved.glob("*-step.bin"))[0]
+    blob = victim.read_bytes()
+    if damage == "truncate":
+        victim.write_bytes(blob[:len(blob) // 2])
+    elif damage == "flip":
+        victim.write_bytes(blob[:100] + bytes([blob[100] ^ 1]) + blob[101:])
+    else:
+        victim.unlink()
+    with pytest.raises(compiled_dir.CompiledDirError, match=victim.name):
+        LLM(str(path), compiled_dir=str(moved), strict_compile=True, **ENGINE)
