@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 BENCHES=(bench_throughput_vs_hf bench_prefix_caching bench_chunked_prefill bench_mixed_batching
-         bench_host_overhead bench_decode_roofline)
+         bench_host_overhead bench_decode_roofline bench_compile_check bench_startup)
 SKIP=" ${*:-} "
 for bench in "${BENCHES[@]}"; do
   if [[ "$SKIP" == *" $bench "* ]]; then

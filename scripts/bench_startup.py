@@ -1,0 +1,127 @@
+"""Start-up: time from process start to the first token, cold (every program compiled at start,
+no persistent cache) against an engine started from a compiled directory (`jaxserve compile`),
+on CPU for dummy-30m and the shipped model, side by side; then the deviceless compile time of
+each TPU/GPU preset's whole program set (`jaxserve compile --target`), and of one model-step
+program at 4 and 32 layers (compile time flat in depth).
+
+    python scripts/bench_startup.py [--repeats 3] [--skip-targets]
+
+Writes results/bench_startup.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import REPO_ROOT, dummy_hf_checkpoint, markdown_table, write_result  # noqa: E402
+from bench_compile_check import LLAMA3_8B, TARGETS  # noqa: E402
+
+SHIPPED = REPO_ROOT / "jaxserve" / "assets" / "default_model"
+CHILD = """
+import sys, time
+from jaxserve import LLM, SamplingParams
+llm = LLM(sys.argv[1], precompile=True, strict_compile=True, compilation_cache_dir="",
+          compiled_dir=sys.argv[2] or None)
+out = llm.generate("Once upon a time", SamplingParams(max_tokens=1), use_tqdm=False)[0]
+print("FIRST_TOKEN", out.outputs[0].token_ids, llm.stats().num_compilations, flush=True)
+"""
+
+
+def first_token_seconds(model: Path, compiled: str) -> tuple[float, str]:
+    """Wall seconds from spawning a fresh Python to its first generated token."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(model), compiled], cwd=REPO_ROOT,
+                          capture_output=True, text=True, env=dict(os.environ))
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FIRST_TOKEN")), None)
+    if line is None:
+        raise RuntimeError(f"child failed: {proc.stderr[-2000:]}")
+    return time.perf_counter() - start, line
+
+
+def cpu_rows(repeats: int) -> list[list[object]]:
+    rows = []
+    for label, model in (("dummy-30m", dummy_hf_checkpoint()), ("shipped model", SHIPPED)):
+        out = Path(tempfile.mkdtemp(prefix="jaxserve-compiled-"))
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli", "compile", str(model),
+                        "--out", str(out), "--compilation-cache-dir", ""], cwd=REPO_ROOT,
+                       check=True, capture_output=True)
+        build = time.perf_counter() - start
+        cold, warm, same = [], [], True
+        for _ in range(repeats):  # alternate, so both see the same machine load
+            t, cold_line = first_token_seconds(model, "")
+            cold.append(t)
+            t, warm_line = first_token_seconds(model, str(out))
+            warm.append(t)
+            same &= cold_line.split()[1] == warm_line.split()[1]
+        rows.append([label, f"{statistics.median(cold):.1f}", f"{statistics.median(warm):.1f}",
+                     f"{statistics.median(cold) / statistics.median(warm):.1f}x",
+                     warm_line.split()[-1], "yes" if same else "NO", f"{build:.0f}"])
+    return rows
+
+
+def deviceless(cmd: list[str], platform: str) -> float:
+    python = REPO_ROOT / f".venv-{platform}" / "bin" / "python"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    start = time.perf_counter()
+    subprocess.run([str(python), "-m", "jaxserve.entrypoints.cli", *cmd], cwd=REPO_ROOT,
+                   env=env, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def target_rows() -> tuple[list[list[object]], list[list[object]]]:
+    sets, depth = [], []
+    for name, target in TARGETS.items():
+        platform = "tpu" if name.startswith("tpu") else "gpu"
+        if not (REPO_ROOT / f".venv-{platform}").exists():
+            continue
+        preset = REPO_ROOT / "configs" / "engine" / f"{name}.yaml"
+        with tempfile.TemporaryDirectory() as out:
+            secs = deviceless(["compile", str(LLAMA3_8B), "--target", target, "--config",
+                               str(preset), "--out", out], platform)
+            n = len(list(Path(out).glob("*.bin")))
+        sets.append([name, target, n, f"{secs:.0f}"])
+    v5e = REPO_ROOT / "configs" / "engine" / "tpu-v5e-llama3-8b.yaml"
+    for layers in (4, 32):
+        secs = deviceless(["compile-check", str(LLAMA3_8B), "--target", "v5e:2x2", "--config",
+                           str(v5e), "--num-layers", str(layers), "--buckets", "256:256",
+                           "--num-kv-blocks", "4096"], "tpu")
+        depth.append([layers, f"{secs:.1f}"])
+    return sets, depth
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--skip-targets", action="store_true")
+    args = p.parse_args()
+    body = ("CPU, default engine arguments (buckets: powers of two from 8 to 512 tokens and from "
+            "8 to 64 requests), `precompile` and `strict_compile` on, JAX's persistent cache off. "
+            "Seconds from spawning Python to the first token (imports, weights, programs, one "
+            f"step), median of {args.repeats}, cold and compiled runs alternating.\n\n"
+            + markdown_table(["model", "cold s", "from compiled dir s", "speed-up",
+                              "compilations (compiled dir)", "same first token",
+                              "`jaxserve compile` s"], cpu_rows(args.repeats)))
+    if not args.skip_targets:
+        sets, depth = target_rows()
+        body += ("\n\nDeviceless `jaxserve compile --target` of each preset's whole program set "
+                 "(model step per bucket, sampler variants, KV pool allocation), 32 layers, on "
+                 "this machine (wall seconds, including start-up and the KV-sizing probe):\n\n"
+                 + markdown_table(["preset", "target", "programs", "seconds"], sets)
+                 + "\n\nOne v5e model-step program (T=256, R=256, scanned layers), "
+                 "`jaxserve compile-check` wall seconds by depth:\n\n"
+                 + markdown_table(["layers", "seconds"], depth))
+    write_result("bench_startup", "Start-up: cold against a compiled directory", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
