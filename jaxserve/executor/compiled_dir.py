@@ -1,10 +1,10 @@
 """Executables built ahead of time: a directory of serialized programs and a manifest.
 
 `jaxserve compile` writes every program the engine's warm-up would build (each model-step
-bucket, each sampler variant) and the one that allocates the KV pool; an engine given `compiled_dir` loads them and calls them
-directly, compiling nothing. The manifest's fingerprint (jax/jaxlib/plugin versions, target,
-model config, every engine argument that affects shapes or sharding, the KV pool size) must
-equal the engine's own; each file's sha256 is checked before it is unpickled, so a corrupt or
+bucket, each sampler variant) and the one that allocates the KV pool; an engine given
+`compiled_dir` loads them and calls them directly, compiling nothing. The manifest's
+fingerprint (jax/jaxlib/plugin versions, target, model config, every engine argument that
+affects shapes or sharding, the KV pool size) must equal the engine's own; each file's sha256 is checked before it is unpickled, so a corrupt or
 truncated file is refused, never loaded. Load only directories you built: files are pickles.
 """
 

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, power_of_two_buckets
 from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
@@ -327,8 +327,9 @@ class ModelRunner:
             inputs, layout = step_inputs(arrays)
             step_key = ("step", layout)
             if step_key not in out:
-                out[step_key] = _step.trace(self.statics, layout, self.params, self.k_cache,
-                                            self.v_cache, self.prev_sampled, inputs).lower().compile()
+                out[step_key] = _step.trace(
+                    self.statics, layout, self.params, self.k_cache, self.v_cache,
+                    self.prev_sampled, inputs).lower().compile()
             sampling_inputs, sampling_layout = pack(sampling)
             if ("sample", sampling_layout) not in out:
                 logits = out[step_key].out_info[2]

@@ -22,8 +22,8 @@ from jaxserve.distributed.sharding import (AXIS, expand_kv_heads, kv_cache_shard
                                            param_sharding, validate_tensor_parallel)
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compiled_dir import KV_INIT
-from jaxserve.executor.step_program import kv_blocks_for, largest_step_temp_bytes
 from jaxserve.executor.model_runner import ModelRunner, dtype_of
+from jaxserve.executor.step_program import kv_blocks_for, largest_step_temp_bytes
 from jaxserve.layers.attention import AttentionBackend, get_attention_backend, validate_backend
 from jaxserve.models.checkpoint_io import load_converted, read_converted_config
 from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
@@ -78,7 +78,8 @@ class Worker:
         self.model_config = cfg
         self.max_model_len = m.max_model_len or cfg.max_position_embeddings
         platform = self.mesh.devices.flat[0].platform
-        self.model = Llama(cfg, placed, self.dtype, scan_layers=config.runner.scans_layers(platform))
+        self.model = Llama(cfg, placed, self.dtype,
+                           scan_layers=config.runner.scans_layers(platform))
         if restored:  # the model holds the arrays it needs; drop the loader's references
             self.loaded = dataclasses.replace(self.loaded, params={})
         backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh)
@@ -149,7 +150,7 @@ class Worker:
         per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size,
                                              self.dtype) // tp  # per device: its KV heads
         stats = self.mesh.devices.flat[0].memory_stats() or {}
-        if "bytes_limit" in stats:
+        if "bytes_limit" in stats:  # one extra compile at start, like vLLM's profile run
             temp = largest_step_temp_bytes(*nnx.split(self.model), self.model_config,
                                            self.config, backend, self.max_model_len)
             num_blocks = kv_blocks_for(stats["bytes_limit"], cache.gpu_memory_utilization,

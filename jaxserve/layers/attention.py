@@ -61,9 +61,10 @@ class AttentionBackend:
 
     def write(self, k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array, k: jax.Array,
               v: jax.Array, md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-        args = (k_cache, v_cache, jnp.asarray(layer, jnp.int32), k, v, md.slot_mapping, md.query_start_loc)
+        args = (k_cache, v_cache, layer, k, v, md.slot_mapping, md.query_start_loc)
         if not self._per_device(self.writer is not scatter_write):
             return self.writer(*args)
+        args = (k_cache, v_cache, jnp.asarray(layer, jnp.int32), *args[3:])  # arrays only
         heads, cache = P(None, "model", None), P(None, "model")
         return jax.shard_map(self.writer, mesh=self.mesh,
                              in_specs=(cache, cache, P(), heads, heads, P(), P()),
@@ -78,7 +79,7 @@ class AttentionBackend:
         args = (q, k_cache, v_cache, layer, md.seq_lens, md.block_tables, md.query_start_loc)
         if not self._per_device(self.name != "xla"):
             return kernel(*args)
-        args = (q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), *args[4:])  # shard_map takes arrays
+        args = (q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), *args[4:])  # arrays only
         heads, cache = P(None, "model", None), P(None, "model")
         return jax.shard_map(kernel, mesh=self.mesh,
                              in_specs=(heads, cache, cache, P(), P(), P(), P()),
