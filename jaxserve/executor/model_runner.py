@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, power_of_two_buckets
 from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from jaxserve.core.step_timing import StepTimings
 from jaxserve.distributed.mesh import replicate, to_host
 from jaxserve.executor.input_batch import InputBatch, StepArrays
 from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_blocks,
@@ -177,6 +178,7 @@ class ModelRunner:
         # Programs built ahead of time (a compiled directory), called directly: no tracing.
         self.executables: dict[ProgramKey, Any] = {}
         self.compiled_shapes: set[tuple[Any, ...]] = set()
+        self.timings = StepTimings()
         self.num_compilations = 0
         self.warmed_up = False
         self.num_steps = 0
@@ -188,18 +190,20 @@ class ModelRunner:
     def dispatch(self, sched: SchedulerOutput) -> PendingStep | None:
         """Prepare and launch the step without waiting for the device (JAX dispatches
         asynchronously), so several data-parallel ranks can run at once."""
-        self.batch.update(sched)
-        if sched.is_empty:
-            return None
-        arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets,
-                                    self.running_rows)
-        rows = self.batch.rows(arrays.req_ids)
-        # One logprobs width (max_logprobs) for every step that wants any: one compiled shape.
-        wants_logprobs = any(row.params.logprobs is not None for row in rows)
-        sampling = make_sampling_metadata(
-            rows, len(arrays.seq_lens), eos_token_ids=self.eos_token_ids,
-            num_logprobs=self.config.model.max_logprobs if wants_logprobs else 0)
-        pending = PendingStep(arrays, rows, self._run(arrays, sampling))
+        with self.timings.phase("prep"):
+            self.batch.update(sched)
+            if sched.is_empty:
+                return None
+            arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets,
+                                        self.running_rows)
+            rows = self.batch.rows(arrays.req_ids)
+            # One logprobs width (max_logprobs) for every step that wants any: one shape.
+            wants_logprobs = any(row.params.logprobs is not None for row in rows)
+            sampling = make_sampling_metadata(
+                rows, len(arrays.seq_lens), eos_token_ids=self.eos_token_ids,
+                num_logprobs=self.config.model.max_logprobs if wants_logprobs else 0)
+        with self.timings.phase("dispatch"):
+            pending = PendingStep(arrays, rows, self._run(arrays, sampling))
         self.batch.mark_pending(arrays)
         self.running_rows = {req_id: i for i, req_id in enumerate(arrays.req_ids)
                           if arrays.completes_sequence[i]}
@@ -209,8 +213,10 @@ class ModelRunner:
         if pending is None:
             return ModelRunnerOutput([], [])
         arrays, rows, out = pending
-        sampled = to_host(out.sampled)[:len(rows)]  # the one device -> host wait of the step
-        self.batch.append_sampled(arrays, sampled)
+        with self.timings.phase("device"):
+            sampled = to_host(out.sampled)[:len(rows)]  # the step's one device -> host wait
+        with self.timings.phase("update"):
+            self.batch.append_sampled(arrays, sampled)
         self.num_steps += 1
         wants_logprobs = out.topk_ids.shape[1] > 0
         return ModelRunnerOutput(arrays.req_ids, sampled.tolist(),
