@@ -138,6 +138,7 @@ class EngineConfig:
             raise ValueError(f"load_format {m.load_format!r} is not supported")
         if m.max_model_len is not None:
             _positive(m, "max_model_len")
+        _non_negative(m, "max_logprobs")
         if p.devices is not None and (
                 not isinstance(p.devices, list) or not p.devices
                 or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in p.devices)

@@ -20,12 +20,6 @@ from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput,
                                             ModelRunnerOutput, NewRequestData, SchedulerOutput)
 from jaxserve.request import Request, RequestStatus
 
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
-
 
 @dataclass(slots=True)
 class SchedulerStats:
@@ -346,7 +340,7 @@ class Scheduler:
             if status is not None:
                 self.running.remove(request)
                 self._free(request, status)
-                out.finish_reason = FINISH_REASONS[status]
+                out.finish_reason = RequestStatus.get_finished_reason(status)
                 out.stop_reason = request.stop_reason
             outputs.append(out)
         return outputs

@@ -34,7 +34,11 @@ class EngineQueueFullError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (shut down, or a step raised)."""
+    """The engine loop has stopped (shut down, or a step lost the device state)."""
+
+
+class EngineStepError(RuntimeError):
+    """The step carrying this request failed; the engine goes on serving (HTTP 500)."""
 
 
 @dataclass(slots=True)
@@ -281,7 +285,13 @@ class AsyncLLM:
         self._step_seconds += time.perf_counter() - start
         self._num_steps += 1
         first = continuing = 0
+        deliveries: list[RequestOutput | tuple[str, BaseException]] = []
         for out in outputs:
+            if out.error is not None:
+                self._started.discard(out.request_id)
+                deliveries.append((out.request_id, EngineStepError(out.error)))
+                continue
+            deliveries.append(out)
             num_new = sum(len(c.token_ids) for c in out.outputs)
             if num_new:
                 if out.request_id in self._started:
@@ -302,7 +312,7 @@ class AsyncLLM:
             self._num_join_steps += 1
             self._num_joined += first
         self._engine_stats = self.engine.stats()
-        self._deliver(outputs)
+        self._deliver(deliveries)
         if not outputs and self._engine_stats.num_running == 0:
             time.sleep(_IDLE_WAIT_S)
 

@@ -29,6 +29,7 @@ class RequestState:
     samples: list[_Sample]
     num_cached_tokens: int = 0
     child_index: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -102,6 +103,7 @@ class OutputProcessor:
                     stopped.append(out.request_id)
             if out.finish_reason is not None and not comp.finished:
                 comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+                state.error = state.error or out.error
             touched[parent] = state
         results = []
         for parent, state in touched.items():
@@ -151,4 +153,4 @@ class OutputProcessor:
                 comp = d
             completions.append(comp)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             state.finished, state.metrics, state.num_cached_tokens)
+                             state.finished, state.metrics, state.num_cached_tokens, state.error)

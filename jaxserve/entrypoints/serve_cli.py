@@ -17,10 +17,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     llm = AsyncLLM(args.model, max_queued_requests=args.max_queued_requests,
                    **engine_kwargs(args, skip=("model",)))
-    run_server(llm, args.served_model_name or [args.model or "jaxserve-default"], args.host,
-               args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-               log_level=args.uvicorn_log_level)
-    return 0
+    return run_server(llm, args.served_model_name or [args.model or "jaxserve-default"],
+                      args.host, args.port,
+                      api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                      log_level=args.uvicorn_log_level)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

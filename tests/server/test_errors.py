@@ -37,7 +37,7 @@ def test_bad_requests_get_400_while_requests_in_flight_are_unaffected(served, of
         ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be"),
         ({"prompt": "x", "top_p": 1.5}, "top_p", "top_p must be in (0, 1]"),
         ({"prompt": "x", "n": "three"}, "n", "valid integer"),
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be in [1, 2147483647]"),
         ({"prompt": "x", "logprobs": 1000}, "logprobs", "max_logprobs"),
         ({"max_tokens": 3}, "prompt", "Field required"),
         ({"prompt": ""}, "prompt", "must not be empty"),
@@ -136,3 +136,27 @@ def test_a_full_queue_answers_503_and_recovers(served):
     assert [r.status_code for r in results] == [200, 200]
     wait_engine_idle(llm)
     llm.call_in_engine(assert_no_leaks).result()
+
+
+def test_a_failing_step_answers_500_for_its_request_and_the_server_goes_on(served, monkeypatch):
+    executor = served.llm.engine.core.executor
+    dispatch = executor.dispatch
+    calls = []
+
+    def fail_once(scheds):  # noqa: ANN001, ANN202
+        if not calls and any(s.num_scheduled_tokens for s in scheds):
+            calls.append(1)
+            raise RuntimeError("kernel failed in /opt/secret/site-packages/x.py")
+        return dispatch(scheds)
+
+    monkeypatch.setattr(executor, "dispatch", fail_once)
+    body = {"prompt": "Once", "max_tokens": 3, "temperature": 0}
+    with httpx.Client(headers=served.headers, timeout=60) as http:
+        error = _error(http.post(f"{served.url}/v1/completions", json=body), 500)
+        assert error["code"] == "engine_step_failed" and "kernel failed" in error["message"]
+        assert "/opt/secret" not in error["message"]
+        assert http.get(f"{served.url}/health").status_code == 200
+        ok = http.post(f"{served.url}/v1/completions", json=body)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    wait_engine_idle(served.llm)
+    served.llm.call_in_engine(assert_no_leaks).result()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import threading
 import time
 from typing import Any
@@ -21,6 +22,8 @@ from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_common import cancel_on_disconnect
 from jaxserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
 
 
 class APIKeyMiddleware:
@@ -113,10 +116,28 @@ class BackgroundServer:
 
 
 def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: int,
-               api_key: str | None = None, log_level: str = "info") -> None:
-    """Serve until interrupted (SIGINT/SIGTERM), then stop the engine."""
+               api_key: str | None = None, log_level: str = "info") -> int:
+    """Serve until interrupted (SIGINT/SIGTERM: returns 0) or until the engine dies (returns 1,
+    so that a supervisor restarts the process rather than keep one that only answers 503)."""
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(llm, served_model_names, api_key), host=host, port=port,
+        log_level=log_level, timeout_graceful_shutdown=5))
+    watcher = threading.Thread(target=_exit_when_dead, args=(llm, server), daemon=True,
+                               name="jaxserve-engine-watch")
+    watcher.start()
     try:
-        uvicorn.run(build_app(llm, served_model_names, api_key), host=host, port=port,
-                    log_level=log_level, timeout_graceful_shutdown=5)
+        server.run()
+        died = not llm.is_running
     finally:
         llm.shutdown()
+    if died:
+        logger.error("the engine died; the server exits non-zero")
+    return 1 if died else 0
+
+
+def _exit_when_dead(llm: AsyncLLM, server: uvicorn.Server, poll_s: float = 0.2) -> None:
+    while not server.should_exit:
+        if not llm.is_running:
+            server.should_exit = True
+            return
+        time.sleep(poll_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -9,8 +11,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from jaxserve.engine.async_llm import EngineDeadError, EngineQueueFullError
+from jaxserve.engine.async_llm import EngineDeadError, EngineQueueFullError, EngineStepError
 from jaxserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+# An absolute path of two or more parts (not the tail of a relative one, nor a URL's path).
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/-])/(?:[\w.+@~-]+/)+([\w.+@~-]*)")
+
+
+def redact_paths(text: str) -> str:
+    """Client-facing text names files by their last part only: no install paths."""
+    return _ABSOLUTE_PATH.sub(lambda m: f".../{m.group(1)}", text)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 500: "internal_server_error",
@@ -20,6 +31,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None):
+        message = redact_paths(message)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -76,3 +88,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return APIError(503, str(exc), code="engine_dead").response()
+
+    @app.exception_handler(EngineStepError)
+    async def _step_failed(_: Request, exc: EngineStepError) -> JSONResponse:
+        return APIError(500, str(exc), code="engine_step_failed").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error in a request", exc_info=exc)
+        return APIError(500, f"internal error: {type(exc).__name__}").response()
