@@ -38,6 +38,7 @@ class SchedulerOutput:
     # Requests whose tokens this step reach their end: their sampled token is a real output
     # (the others are prefill chunks, whose sample is dropped).
     sampling_req_ids: set[str] = field(default_factory=set)
+    step: int = 0  # the scheduler's count of steps before this one
 
     @property
     def is_empty(self) -> bool:
