@@ -60,6 +60,8 @@ class EngineCore:
         worker = self.executor.worker
         self.model_config = worker.model_config
         self.max_model_len = worker.max_model_len
+        for w in self.executor.workers:
+            check_pool_holds_a_sequence(w.num_blocks, w.max_model_len, config.cache.block_size)
         if config.model.max_logprobs > self.model_config.vocab_size:
             raise ValueError(f"max_logprobs must be <= the vocabulary size "
                              f"({self.model_config.vocab_size}), got {config.model.max_logprobs}")
@@ -165,3 +167,13 @@ class EngineCore:
             num_steps=self.num_steps,
             num_compilations=sum(w.runner.num_compilations for w in self.executor.workers),
             warm_up_seconds=self.warm_up_seconds)
+
+
+def check_pool_holds_a_sequence(num_blocks: int, max_model_len: int, block_size: int) -> None:
+    """A pool that cannot hold one max_model_len sequence lets a long prompt wait forever (it
+    blocks the FCFS queue) and a request that outgrows the pool preempt itself forever."""
+    blocks_per_seq = -(-max_model_len // block_size)
+    if num_blocks < blocks_per_seq + 1:
+        raise ValueError(f"num_kv_blocks ({num_blocks}) must hold one max_model_len "
+                         f"({max_model_len}) sequence: at least {blocks_per_seq} + 1 (the null "
+                         "block); lower max_model_len or add blocks")

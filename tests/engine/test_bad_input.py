@@ -88,3 +88,15 @@ def test_unknown_architecture_and_missing_model_are_clear_errors(tmp_path):
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="does-not-exist"):
         LLM(str(tmp_path / "does-not-exist"))
+
+
+def test_a_kv_pool_smaller_than_one_full_sequence_is_refused(llama, compile_cache_dir):
+    # max_model_len 128 in blocks of 16 needs 8 blocks, plus the null block: 9.
+    args = SMALL_ENGINE | dict(compilation_cache_dir=compile_cache_dir)
+    with pytest.raises(ValueError, match=r"num_kv_blocks .*8 \+ 1"):
+        LLM(str(llama), **(args | {"num_kv_blocks": 8}))
+    llm = LLM(str(llama), **(args | {"num_kv_blocks": 9}))
+    long = random_prompts(1, 120, 120, seed=32)[0]  # the longest prompt fits alone
+    out = llm.generate({"prompt_token_ids": long}, GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+    assert_no_leaks(llm.engine)
