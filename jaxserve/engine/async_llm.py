@@ -45,7 +45,7 @@ class EngineStepError(RuntimeError):
 class AsyncLLMStats:
     engine: EngineStats  # snapshot taken by the engine thread after its latest step
     num_unfinished: int  # accepted by generate() and not yet finished or aborted
-    num_queued: int  # of those, not running in the engine yet (counts n > 1 samples loosely)
+    num_queued: int  # samples (n per request) accepted and not running in the engine yet
     num_steps: int
     num_join_steps: int  # steps where a request got its first token while others decoded
     num_joined_requests: int  # requests whose first token came in such a step
@@ -81,6 +81,7 @@ class _Call:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    samples: int  # n
 
 
 _SHUTDOWN = object()
@@ -114,6 +115,7 @@ class AsyncLLM:
         self.max_queued_requests = max_queued_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._num_samples = 0  # summed over the streams: what max_queued_requests bounds
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._closed = False  # set (under the lock) when the engine thread stops reading
@@ -146,18 +148,20 @@ class AsyncLLM:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if self.num_queued >= self.max_queued_requests:
-            raise EngineQueueFullError(f"{self.num_queued} requests are already waiting "
+        samples = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
+        if self.num_queued + samples > self.max_queued_requests:
+            raise EngineQueueFullError(f"{self.num_queued} samples are already waiting "
                                        f"(max_queued_requests={self.max_queued_requests})")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), samples)
         self._streams[request_id] = stream
+        self._num_samples += samples
         added = concurrent.futures.Future()
         try:
             self._submit(_Add(request_id, prompt, sampling_params,
                               time.time() if arrival_time is None else arrival_time,
                               priority, cache_salt, added))
         except EngineDeadError:
-            del self._streams[request_id]
+            self._drop_stream(request_id, stream)
             raise
         finished = rejected = False
         try:
@@ -175,10 +179,14 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
+            self._drop_stream(request_id, stream)
             if not finished and not rejected:
                 self._submit(_Abort([request_id], notify=False), quiet=True)
+
+    def _drop_stream(self, request_id: str, stream: _Stream) -> None:
+        if self._streams.get(request_id) is stream:
+            del self._streams[request_id]
+            self._num_samples -= stream.samples
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests; their streams end with a final output whose finish_reason is
@@ -206,7 +214,7 @@ class AsyncLLM:
 
     @property
     def num_queued(self) -> int:
-        return max(0, len(self._streams) - self._engine_stats.num_running)
+        return max(0, self._num_samples - self._engine_stats.num_running)
 
     @property
     def is_running(self) -> bool:

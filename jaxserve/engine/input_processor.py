@@ -7,6 +7,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from jaxserve.config import ModelConfig
 from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams, request_seed
@@ -20,14 +21,16 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 block_size: int, root_hash: bytes, seed: int, max_logprobs: int):
+                 block_size: int, root_hash: bytes, limits: ModelConfig):
+        """`limits`: the engine's seed and per-request limits (max_logprobs, max_n)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.root_hash = root_hash
-        self.max_logprobs = max_logprobs
-        self.rng = np.random.default_rng(seed)
+        self.max_logprobs = limits.max_logprobs
+        self.max_n = limits.max_n
+        self.rng = np.random.default_rng(limits.seed)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -69,6 +72,8 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        if params.n > self.max_n:
+            raise ValueError(f"n must be <= max_n ({self.max_n}), got {params.n}")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.max_logprobs}), "
                              f"got {params.logprobs}")

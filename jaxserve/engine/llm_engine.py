@@ -22,8 +22,7 @@ class LLMEngine:
         self.tokenizer = worker.loaded.tokenizer
         self.input_processor = InputProcessor(
             self.tokenizer, self.core.model_config.vocab_size, self.core.max_model_len,
-            config.cache.block_size, self.core.root_hash, config.model.seed,
-            config.model.max_logprobs)
+            config.cache.block_size, self.core.root_hash, config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

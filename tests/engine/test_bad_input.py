@@ -100,3 +100,16 @@ def test_a_kv_pool_smaller_than_one_full_sequence_is_refused(llama, compile_cach
     out = llm.generate({"prompt_token_ids": long}, GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
     assert_no_leaks(llm.engine)
+
+
+def test_n_is_capped_by_max_n(llama, compile_cache_dir):
+    engine = LLMEngine.from_engine_args(model=str(llama), compilation_cache_dir=compile_cache_dir,
+                                        **(SMALL_ENGINE | {"max_n": 4}))
+    with pytest.raises(ValueError, match=r"n must be <= max_n \(4\), got 5"):
+        engine.add_request("big", {"prompt_token_ids": [3, 4]}, SamplingParams(n=5))
+    engine.add_request("ok", {"prompt_token_ids": [3, 4]}, SamplingParams(n=4, max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leaks(engine)
+    with pytest.raises(ValueError, match="max_n"):
+        LLM(str(llama), **(SMALL_ENGINE | {"max_n": 0}))

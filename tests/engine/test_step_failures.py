@@ -103,3 +103,30 @@ def test_async_llm_reports_dead_when_device_state_is_lost(engine, monkeypatch):
         asyncio.run(run())
     llm._thread.join(30)
     assert not llm.is_running
+
+
+def test_the_queue_bound_counts_samples_not_requests(engine):
+    import threading
+
+    from jaxserve.engine.async_llm import EngineQueueFullError
+
+    llm = AsyncLLM.from_engine(engine, max_queued_requests=4)
+    gate = threading.Event()
+
+    async def run() -> None:
+        llm.call_in_engine(lambda e: gate.wait(30))  # nothing gets admitted meanwhile
+        first = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(n=3, max_tokens=2))
+        waiting = asyncio.ensure_future(anext(first))
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineQueueFullError, match="4"):
+            await anext(llm.generate({"prompt_token_ids": [5, 6]},
+                                     SamplingParams(n=2, max_tokens=2)))
+        gate.set()
+        await waiting
+        await first.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        gate.set()
+        llm.shutdown()
