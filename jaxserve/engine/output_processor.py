@@ -99,7 +99,9 @@ class OutputProcessor:
                 comp.text += sample.detokenizer.push(out.new_token_ids)
                 if out.finish_reason is not None:
                     comp.text += sample.detokenizer.flush()
-                if self._apply_stop_strings(comp, state.params, before):
+                # As vLLM: stop strings count only once min_tokens tokens are out.
+                if len(comp.token_ids) > state.params.min_tokens and self._apply_stop_strings(
+                        comp, state.params, before):
                     stopped.append(out.request_id)
             if out.finish_reason is not None and not comp.finished:
                 comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
