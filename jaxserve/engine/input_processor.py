@@ -31,6 +31,17 @@ class InputProcessor:
         self.max_logprobs = limits.max_logprobs
         self.max_n = limits.max_n
         self.rng = np.random.default_rng(limits.seed)
+        per_token = None if tokenizer is None else tokenizer.max_token_chars()
+        # A longer text has more than max_model_len tokens whatever it says.
+        self.max_prompt_chars = None if per_token is None else max_model_len * max(per_token, 1)
+
+    def check_prompt_chars(self, text: str, what: str = "prompt") -> None:
+        """Refuse a text too long for the context before tokenising it (that costs time and
+        memory in proportion to its length)."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise ValueError(f"{what}: {len(text)} characters are more than max_model_len "
+                             f"({self.max_model_len}) tokens of this tokenizer can hold "
+                             f"({self.max_prompt_chars} characters at most)")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -38,6 +49,7 @@ class InputProcessor:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            self.check_prompt_chars(prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

@@ -66,13 +66,15 @@ def test_bad_requests_get_400_while_requests_in_flight_are_unaffected(served, of
     served.llm.call_in_engine(assert_no_leaks).result()
 
 
-def test_the_api_key_is_required_on_v1_routes(served):
+def test_the_api_key_is_required_on_every_route_but_health(served):
     body = {"prompt": "x", "max_tokens": 2, "temperature": 0}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-key"}):
         error = _error(httpx.post(f"{served.url}/v1/completions", json=body, headers=headers),
                        401)
         assert error["code"] == "invalid_api_key"
-    assert _error(httpx.get(f"{served.url}/v1/models"), 401)["type"] == "authentication_error"
+    for path in ("/v1/models", "/metrics", "/openapi.json", "/docs", "/redoc"):
+        assert _error(httpx.get(f"{served.url}{path}"), 401)["type"] == "authentication_error"
+        assert httpx.get(f"{served.url}{path}", headers=served.headers).status_code == 200
     assert httpx.get(f"{served.url}/health").status_code == 200
     ok = httpx.post(f"{served.url}/v1/completions", json=body, headers=served.headers,
                     timeout=60)
@@ -160,3 +162,18 @@ def test_a_failing_step_answers_500_for_its_request_and_the_server_goes_on(serve
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     wait_engine_idle(served.llm)
     served.llm.call_in_engine(assert_no_leaks).result()
+
+
+def test_metrics_can_be_opened_and_a_public_bind_without_a_key_warns(served, caplog):
+    from starlette.testclient import TestClient
+
+    from jaxserve.entrypoints.openai.api_server import build_app, warn_if_exposed
+
+    with TestClient(build_app(served.llm, [MODEL_NAME], api_key="k", open_metrics=True)) as http:
+        assert http.get("/metrics").status_code == 200
+        assert http.get("/v1/models").status_code == 401
+    for host, key in (("127.0.0.1", None), ("::1", None), ("localhost", None), ("0.0.0.0", "k")):
+        warn_if_exposed(host, key)
+    assert not caplog.records
+    warn_if_exposed("0.0.0.0", None)
+    assert "without an API key" in caplog.text and "JAXSERVE_API_KEY" in caplog.text

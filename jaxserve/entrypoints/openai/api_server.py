@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import threading
 import time
@@ -16,26 +17,30 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.errors import APIError, install_error_handlers
+from jaxserve.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S,
+                                                RequestLimitsMiddleware, timed_h11)
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   ModelCard, ModelList)
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_common import cancel_on_disconnect
 from jaxserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from jaxserve.entrypoints.serve_cli import API_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every `/v1` route (a plain ASGI middleware, so that
-    streamed responses and client disconnects pass through untouched)."""
+    """`Authorization: Bearer <key>` on every route but `open_paths` (a plain ASGI middleware,
+    so that streamed responses and client disconnects pass through untouched)."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "missing or invalid API key (send 'Authorization: "
@@ -45,17 +50,27 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              ) -> FastAPI:
+def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None = None, *,
+              open_metrics: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
+    """With `api_key`, every route but /health needs it (/metrics too unless `open_metrics`)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
+            or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    if not read_timeout_s > 0:
+        raise ValueError(f"read_timeout_s must be > 0, got {read_timeout_s!r}")
     app = FastAPI(title="jaxserve", summary="OpenAI-compatible API over jaxserve")
     metrics = ServerMetrics(llm, served_model_names[0])
     completions = OpenAIServingCompletion(llm, served_model_names, metrics)
     chat = OpenAIServingChat(llm, served_model_names, metrics)
     install_error_handlers(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_body_bytes,
+                       read_timeout_s=read_timeout_s)
+    if api_key:  # added last: the outermost, so an unauthorised body is never read
+        open_paths = frozenset({"/health"} | ({"/metrics"} if open_metrics else set()))
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.state.llm, app.state.metrics = llm, metrics
 
     @app.get("/health")
@@ -88,9 +103,10 @@ class BackgroundServer:
     """uvicorn serving `app` from a daemon thread (tests, benchmarks); port 0 picks a free one."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                                    log_level=log_level, lifespan="off"))
+                                                    log_level=log_level, lifespan="off",
+                                                    http=timed_h11(read_timeout_s)))
         self.thread = threading.Thread(target=self.server.run, name="jaxserve-http",
                                        daemon=True)
         self.host = host
@@ -116,12 +132,19 @@ class BackgroundServer:
 
 
 def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: int,
-               api_key: str | None = None, log_level: str = "info") -> int:
+               api_key: str | None = None, log_level: str = "info", *,
+               open_metrics: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> int:
     """Serve until interrupted (SIGINT/SIGTERM: returns 0) or until the engine dies (returns 1,
-    so that a supervisor restarts the process rather than keep one that only answers 503)."""
+    so that a supervisor restarts the process rather than keep one that only answers 503).
+    `read_timeout_s` bounds how long a request's headers, and each chunk of its body, may
+    take to arrive."""
+    warn_if_exposed(host, api_key)
+    app = build_app(llm, served_model_names, api_key, open_metrics=open_metrics,
+                    max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s)
     server = uvicorn.Server(uvicorn.Config(
-        build_app(llm, served_model_names, api_key), host=host, port=port,
-        log_level=log_level, timeout_graceful_shutdown=5))
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+        http=timed_h11(read_timeout_s)))
     watcher = threading.Thread(target=_exit_when_dead, args=(llm, server), daemon=True,
                                name="jaxserve-engine-watch")
     watcher.start()
@@ -133,6 +156,21 @@ def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: in
     if died:
         logger.error("the engine died; the server exits non-zero")
     return 1 if died else 0
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> None:
+    if not api_key and not _is_loopback(host):
+        logger.warning("serving on %s without an API key: anyone who can reach it can use "
+                       "it (set %s or --api-key)", host, API_KEY_ENV)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _exit_when_dead(llm: AsyncLLM, server: uvicorn.Server, poll_s: float = 0.2) -> None:

@@ -24,7 +24,8 @@ def redact_paths(text: str) -> str:
     return _ABSOLUTE_PATH.sub(lambda m: f".../{m.group(1)}", text)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 500: "internal_server_error",
+          405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 500: "internal_server_error",
           503: "service_unavailable_error"}
 
 
@@ -79,7 +80,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        code = {408: "request_timeout", 413: "request_too_large"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code).response()
 
     @app.exception_handler(EngineQueueFullError)
     async def _queue_full(_: Request, exc: EngineQueueFullError) -> JSONResponse:

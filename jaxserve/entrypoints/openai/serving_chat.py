@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,7 +34,7 @@ class OpenAIServingChat(OpenAIServing):
                            "top_logprobs")
         if top is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-        prompt_ids = self._render(req.messages, req.add_generation_prompt)
+        prompt_ids = await self._render(req.messages, req.add_generation_prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         params = self.sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
@@ -45,7 +46,8 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse((await self._collect(request_id, model, gens[0], params.n,
                                                  req)).model_dump())
 
-    def _render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def _render(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                      ) -> list[int]:
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
         if self.tokenizer is None:
@@ -60,8 +62,10 @@ class OpenAIServingChat(OpenAIServing):
                                    f"messages.{i}.content", "unsupported")
                 content = "".join(p.text or "" for p in content)
             conversation.append({"role": m.role, "content": content or ""})
+        self.check_chars("".join(m["content"] for m in conversation), "messages")
         try:
-            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, conversation,
+                                          add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
             raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
                 from None

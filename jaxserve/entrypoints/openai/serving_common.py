@@ -56,6 +56,18 @@ class OpenAIServing:
                            f"{', '.join(repr(n) for n in self.model_names)}", "model",
                            "model_not_found")
 
+    def check_chars(self, text: str, param: str) -> None:
+        try:
+            self.llm.engine.input_processor.check_prompt_chars(text, param)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param, "context_length_exceeded") from None
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Tokenise on a worker thread: a long text takes seconds, which on the event loop
+        would stall every other request (and /health)."""
+        self.check_chars(text, param)
+        return await asyncio.to_thread(self.tokenizer.encode, text)
+
     def check_length(self, token_ids: list[int], param: str) -> None:
         if len(token_ids) >= self.max_model_len:
             raise APIError(400, f"{param}: the prompt has {len(token_ids)} tokens, but this "

@@ -40,7 +40,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)",
                            "echo", "unsupported")
-        prompts = self._prompts(req.prompt)
+        prompts = await self._prompts(req.prompt)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         gens = await self.start(request_id, prompts, params, req)
@@ -51,8 +51,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse((await self._collect(request_id, model, gens, params.n, echoes,
                                                  req)).model_dump())
 
-    def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
-                 ) -> list[dict[str, Any]]:
+    async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
+                       ) -> list[dict[str, Any]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             items: list[Any] = [prompt]
         else:
@@ -67,7 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if self.tokenizer is None:
                     raise APIError(400, "prompt: this model has no tokenizer; send token ids",
                                    "prompt")
-                ids = self.tokenizer.encode(item)
+                ids = await self.encode(item, "prompt")
                 prompts.append({"prompt": item, "prompt_token_ids": ids})
             else:
                 ids = list(item)
