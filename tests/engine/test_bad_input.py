@@ -113,3 +113,17 @@ def test_n_is_capped_by_max_n(llama, compile_cache_dir):
     assert_no_leaks(engine)
     with pytest.raises(ValueError, match="max_n"):
         LLM(str(llama), **(SMALL_ENGINE | {"max_n": 0}))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_wrong_typed_priority_is_refused_and_leaves_nothing_behind(llama, compile_cache_dir,
+                                                                     policy):
+    engine = LLMEngine.from_engine_args(model=str(llama), compilation_cache_dir=compile_cache_dir,
+                                        **(SMALL_ENGINE | {"scheduling_policy": policy}))
+    engine.add_request("first", {"prompt_token_ids": [3, 4]}, GREEDY)
+    for bad in ("high", 1.5, None, True):
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            engine.add_request("p", {"prompt_token_ids": [3, 4]}, GREEDY, priority=bad)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leaks(engine)

@@ -81,9 +81,17 @@ def test_the_api_key_is_required_on_every_route_but_health(served):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+def _aborted_count(served) -> float:
+    text = httpx.get(f"{served.url}/metrics", headers=served.headers).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("jaxserve:request_success_total{")
+               and 'finished_reason="abort"' in line)
+
+
 def test_a_client_that_disconnects_has_its_request_aborted_and_blocks_freed(served):
     llm = served.llm
     before = llm.stats().num_generation_tokens
+    aborted = _aborted_count(served)
     gate = threading.Event()
     with httpx.Client(headers=served.headers, timeout=60) as http:
         with http.stream("POST", f"{served.url}/v1/completions", json=LONG) as resp:
@@ -102,6 +110,7 @@ def test_a_client_that_disconnects_has_its_request_aborted_and_blocks_freed(serv
     wait_engine_idle(llm)
     llm.call_in_engine(assert_no_leaks).result()
     assert llm.stats().num_generation_tokens - before < LONG["max_tokens"]
+    assert _aborted_count(served) == aborted + 2  # both disconnects count as aborted
     ok = httpx.post(f"{served.url}/v1/completions", headers=served.headers, timeout=60,
                     json={"prompt": "Once", "max_tokens": 3, "ignore_eos": True,
                           "temperature": 0})
@@ -177,3 +186,29 @@ def test_metrics_can_be_opened_and_a_public_bind_without_a_key_warns(served, cap
     assert not caplog.records
     warn_if_exposed("0.0.0.0", None)
     assert "without an API key" in caplog.text and "JAXSERVE_API_KEY" in caplog.text
+
+
+def test_odd_bodies_get_400_with_a_json_error(served):
+    url = f"{served.url}/v1/completions"
+    with httpx.Client(headers=served.headers | {"Content-Type": "application/json"},
+                      timeout=60) as http:
+        for body in (b'{"prompt": "hi \\ud800 there"}', b'{"prompt": "x", "stop": ["\\udfff"]}',
+                     b'{"messages": [{"role": "user", "content": "\\ud83d"}]}'):
+            path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+            error = _error(http.post(f"{served.url}{path}", content=body), 400)
+            assert "lone surrogate" in error["message"]
+        assert http.post(url, json={"prompt": "x", "priority": "high"}).status_code == 400
+
+
+def test_the_openapi_document_lists_the_errors_the_server_answers(served):
+    doc = httpx.get(f"{served.url}/openapi.json", headers=served.headers).json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert "422" not in responses  # FastAPI's default; the server answers 400
+        assert {"400", "401", "405", "413", "500", "503"} <= set(responses)
+    assert "503" in doc["paths"]["/health"]["get"]["responses"]
+    # What the document says is 400 is 400 (it said 422).
+    resp = httpx.post(f"{served.url}/v1/completions", headers=served.headers, json={"n": "x"})
+    assert resp.status_code == 400 and str(resp.status_code) in doc["paths"]["/v1/completions"][
+        "post"]["responses"]
+    assert httpx.put(f"{served.url}/v1/completions", headers=served.headers).status_code == 405

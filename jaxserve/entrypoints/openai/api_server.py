@@ -16,7 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.entrypoints.openai.errors import APIError, install_error_handlers
+from jaxserve.entrypoints.openai.errors import (APIError, document_errors_as_answered,
+                                                error_responses, install_error_handlers)
 from jaxserve.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S,
                                                 RequestLimitsMiddleware, timed_h11)
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
@@ -73,29 +74,34 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.state.llm, app.state.metrics = llm, metrics
 
-    @app.get("/health")
+    keyed = (401,) if api_key else ()
+    body_errors = error_responses(400, *keyed, 405, 408, 413, 500, 503)
+
+    @app.get("/health", responses=error_responses(405, 503))
     async def health() -> Response:
         if not llm.is_running:
             raise APIError(503, "the engine loop has stopped", code="engine_dead")
         return Response(status_code=200)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(*keyed, 405))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, max_model_len=llm.max_model_len)
                                for name in served_model_names])
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=error_responses(
+        *(() if open_metrics else keyed), 405))
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=body_errors)
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         return await cancel_on_disconnect(raw, completions.create(req))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=body_errors)
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await cancel_on_disconnect(raw, chat.create(req))
 
+    document_errors_as_answered(app)
     return app
 
 

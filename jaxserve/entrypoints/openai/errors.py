@@ -99,3 +99,32 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.error("unhandled error in a request", exc_info=exc)
         return APIError(500, f"internal error: {type(exc).__name__}").response()
+
+
+_DESCRIPTIONS = {400: "Invalid request", 401: "Missing or wrong API key", 405: "Method not allowed",
+                 408: "The body arrived too slowly", 413: "The body is too large",
+                 500: "The step carrying the request failed", 503: "Busy, or the engine is dead"}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses (all have the OpenAI error body)."""
+    return {s: {"model": ErrorResponse, "description": _DESCRIPTIONS[s]} for s in statuses}
+
+
+def document_errors_as_answered(app: FastAPI) -> None:
+    """The OpenAPI document says what the server answers: FastAPI documents body validation
+    errors as 422, which this server answers as 400."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for methods in schema.get("paths", {}).values():
+                for operation in methods.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -86,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request_id: str, model: str, gen: AsyncIterator[RequestOutput],
                       n: int, req: ChatCompletionRequest) -> AsyncIterator[str]:
-        tracker = self.metrics.tracker()
+        tracker = self.metrics.tracker(n)
         prompt_tokens = completion_tokens = 0
         try:
             yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
@@ -114,27 +114,32 @@ class OpenAIServingChat(OpenAIServing):
                                               usage=usage(prompt_tokens, completion_tokens)))
         except Exception as exc:  # noqa: BLE001 (the status line has gone out already)
             yield stream_error(exc)
+        finally:
+            tracker.close()
         yield DONE
 
     async def _collect(self, request_id: str, model: str, gen: AsyncIterator[RequestOutput],
                        n: int, req: ChatCompletionRequest) -> ChatCompletionResponse:
-        tracker = self.metrics.tracker()
+        tracker = self.metrics.tracker(n)
         texts, token_ids = [""] * n, [[] for _ in range(n)]
         logprobs = [ChatLogprobs(content=[]) if req.logprobs else None for _ in range(n)]
         reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * n
         prompt_tokens = 0
-        async for _, out in merge([gen]):
-            tracker.observe(out)
-            prompt_tokens = len(out.prompt_token_ids)
-            for comp in out.outputs:
-                i = comp.index
-                texts[i] += comp.text
-                token_ids[i].extend(comp.token_ids)
-                if logprobs[i] is not None and comp.logprobs:
-                    logprobs[i].content.extend(
-                        self._logprobs(comp.token_ids, comp.logprobs).content)
-                if comp.finish_reason is not None:
-                    reasons[i] = (comp.finish_reason, comp.stop_reason)
+        try:
+            async for _, out in merge([gen]):
+                tracker.observe(out)
+                prompt_tokens = len(out.prompt_token_ids)
+                for comp in out.outputs:
+                    i = comp.index
+                    texts[i] += comp.text
+                    token_ids[i].extend(comp.token_ids)
+                    if logprobs[i] is not None and comp.logprobs:
+                        logprobs[i].content.extend(
+                            self._logprobs(comp.token_ids, comp.logprobs).content)
+                    if comp.finish_reason is not None:
+                        reasons[i] = (comp.finish_reason, comp.stop_reason)
+        finally:
+            tracker.close()
         return ChatCompletionResponse(
             id=request_id, model=model,
             choices=[ChatChoice(index=i, message=ChatMessageOut(content=texts[i]),

@@ -98,7 +98,11 @@ class OpenAIServing:
         fails the whole request before any byte of the response is sent."""
         gens = [self.llm.generate(p, params, f"{request_id}-{i}", priority=req.priority,
                                   cache_salt=req.cache_salt) for i, p in enumerate(prompts)]
-        firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        try:
+            firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        except asyncio.CancelledError:  # the client went away before the first token
+            self.metrics.count_finished("abort", params.n * len(gens))
+            raise
         errors = [f for f in firsts if isinstance(f, BaseException)]
         if errors:
             await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
