@@ -148,7 +148,9 @@ class AsyncLLM:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        samples = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
+        if sampling_params is not None:  # a request that can never run is not "busy": 400
+            self.engine.input_processor.check_params(sampling_params)
+        samples = sampling_params.n if sampling_params is not None else 1
         if self.num_queued + samples > self.max_queued_requests:
             raise EngineQueueFullError(f"{self.num_queued} samples are already waiting "
                                        f"(max_queued_requests={self.max_queued_requests})")

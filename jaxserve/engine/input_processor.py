@@ -76,16 +76,11 @@ class InputProcessor:
             raise ValueError(f"prompt length {len(token_ids)} must be less than max_model_len "
                              f"({self.max_model_len})")
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
-                arrival_time: float | None = None, priority: int = 0,
-                cache_salt: str | None = None) -> tuple[str | None, list[Request]]:
-        params = params if params is not None else SamplingParams()
+    def check_params(self, params: object) -> None:
+        """The engine's limits on sampling parameters (their own ranges are checked when they
+        are made); reads only settings fixed at start, so any thread may call it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
-        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         if params.n > self.max_n:
             raise ValueError(f"n must be <= max_n ({self.max_n}), got {params.n}")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
@@ -95,6 +90,16 @@ class InputProcessor:
         if bad_stop:
             raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
+                arrival_time: float | None = None, priority: int = 0,
+                cache_salt: str | None = None) -> tuple[str | None, list[Request]]:
+        params = params if params is not None else SamplingParams()
+        self.check_params(params)
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         text, token_ids = self.tokenize(prompt)
         self.validate_token_ids(token_ids)
         room = self.max_model_len - len(token_ids)

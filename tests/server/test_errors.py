@@ -39,6 +39,9 @@ def test_bad_requests_get_400_while_requests_in_flight_are_unaffected(served, of
         ({"prompt": "x", "n": "three"}, "n", "valid integer"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be in [1, 2147483647]"),
         ({"prompt": "x", "logprobs": 1000}, "logprobs", "max_logprobs"),
+        ({"prompt": "x", "n": 97500}, "n", "n must be <= max_n (64)"),  # not a 503 queue_full
+        ({"prompt": "x", "top_k": 2**31}, "top_k", "top_k must be in [-1, 2147483647]"),
+        ({"prompt": "x", "seed": 2**70}, "seed", "seed must be in"),
         ({"max_tokens": 3}, "prompt", "Field required"),
         ({"prompt": ""}, "prompt", "must not be empty"),
         ({"prompt": [10**6]}, "prompt_token_ids", "outside the vocabulary"),

@@ -21,7 +21,8 @@ from jaxserve.entrypoints.openai.errors import (APIError, document_errors_as_ans
 from jaxserve.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S,
                                                 RequestLimitsMiddleware, timed_h11)
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
-from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                                  CompletionRequest, CompletionResponse,
                                                   ModelCard, ModelList)
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_common import cancel_on_disconnect
@@ -77,7 +78,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
     keyed = (401,) if api_key else ()
     body_errors = error_responses(400, *keyed, 405, 408, 413, 500, 503)
 
-    @app.get("/health", responses=error_responses(405, 503))
+    @app.get("/health", response_class=Response, responses=error_responses(405, 503) | {
+        200: {"description": "The engine is running (empty body)", "content": {}}})
     async def health() -> Response:
         if not llm.is_running:
             raise APIError(503, "the engine loop has stopped", code="engine_dead")
@@ -88,21 +90,30 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
         return ModelList(data=[ModelCard(id=name, max_model_len=llm.max_model_len)
                                for name in served_model_names])
 
-    @app.get("/metrics", responses=error_responses(
-        *(() if open_metrics else keyed), 405))
+    @app.get("/metrics", response_class=Response, responses=error_responses(
+        *(() if open_metrics else keyed), 405) | {200: {"description": "Prometheus metrics",
+                                                      "content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions", responses=body_errors)
+    @app.post("/v1/completions", response_class=Response,
+              responses=body_errors | _generation_reply(CompletionResponse))
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         return await cancel_on_disconnect(raw, completions.create(req))
 
-    @app.post("/v1/chat/completions", responses=body_errors)
+    @app.post("/v1/chat/completions", response_class=Response,
+              responses=body_errors | _generation_reply(ChatCompletionResponse))
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await cancel_on_disconnect(raw, chat.create(req))
 
     document_errors_as_answered(app)
     return app
+
+
+def _generation_reply(model: type) -> dict[int | str, dict[str, Any]]:
+    """200: the response body as JSON, or (with stream) server-sent events of chunks."""
+    return {200: {"model": model, "description": "The completion, or its stream of events",
+                  "content": {"text/event-stream": {}}}}
 
 
 class BackgroundServer:
