@@ -1,6 +1,6 @@
 """The full HTTP fuzz of issue 21: schemathesis over every operation (200 valid and 200 invalid
-examples per operation by default, integers unbounded) against `jaxserve serve`, while a
-thread probes /health every 50 ms. Writes the counts and the /health latencies as a table.
+examples per operation by default, integers unbounded) against `jaxserve serve`, while another
+process (the fuzzer's own work must not delay it) probes /health every 50 ms. Writes the counts and the /health latencies as a table.
 
     python scripts/http_fuzz_health.py [--examples 200]
 
@@ -10,10 +10,10 @@ The CI test (tests/server/test_http_fuzz.py) runs the same fuzz with 10 examples
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,7 +32,10 @@ SERVER_ARGS = ("--max-model-len 128 --max-num-seqs 16 --max-num-batched-tokens 1
 KEY = "fuzz-key"
 
 
-def probe(base: str, stop: threading.Event, latencies: list[float], failures: list[str]) -> None:
+def probe(base: str, stop: "multiprocessing.synchronize.Event",
+          results: "multiprocessing.Queue") -> None:
+    latencies: list[float] = []
+    failures: list[str] = []
     with httpx.Client(timeout=10) as client:
         while not stop.is_set():
             start = time.perf_counter()
@@ -44,6 +47,7 @@ def probe(base: str, stop: threading.Event, latencies: list[float], failures: li
                 failures.append(f"/health: {exc!r}")
             latencies.append(time.perf_counter() - start)
             time.sleep(0.05)
+    results.put((latencies, failures))
 
 
 def main() -> int:
@@ -54,8 +58,8 @@ def main() -> int:
     os.environ["JAXSERVE_API_KEY"] = KEY
     model = default_model()
     proc, base = start_server(model, Path(model).stem, SERVER_ARGS)
-    stop, latencies, failures = threading.Event(), [], []
-    prober = threading.Thread(target=probe, args=(base, stop, latencies, failures), daemon=True)
+    stop, results = multiprocessing.Event(), multiprocessing.Queue()
+    prober = multiprocessing.Process(target=probe, args=(base, stop, results), daemon=True)
     prober.start()
     start = time.perf_counter()
     error = ""
@@ -66,6 +70,7 @@ def main() -> int:
     finally:
         elapsed = time.perf_counter() - start
         stop.set()
+        latencies, failures = results.get(timeout=60)
         prober.join(30)
         alive = proc.poll() is None
         proc.terminate()

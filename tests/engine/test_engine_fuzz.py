@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import pytest
 
 from engine_helpers import assert_no_leaks
 from jaxserve import LLMEngine, SamplingParams
@@ -43,11 +42,6 @@ def _run_alone(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> 
         for out in engine.step():
             if out.finished:
                 return [c.token_ids for c in out.outputs]
-
-
-@pytest.fixture(scope="module")
-def llama(hf_checkpoint):
-    return hf_checkpoint("llama")
 
 
 def test_engine_fuzz(llama, compile_cache_dir):

@@ -6,23 +6,12 @@ import asyncio
 
 import pytest
 
-from engine_helpers import SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prompts
+from engine_helpers import assert_no_leaks, hf_greedy, random_prompts
 from jaxserve import AsyncLLM, LLMEngine, SamplingParams
 from jaxserve.engine.async_llm import EngineDeadError, EngineStepError
 from jaxserve.engine.core import DeviceStateLostError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def llama(hf_checkpoint):
-    return hf_checkpoint("llama")
-
-
-@pytest.fixture
-def engine(llama, compile_cache_dir):
-    return LLMEngine.from_engine_args(model=str(llama), compilation_cache_dir=compile_cache_dir,
-                                      **SMALL_ENGINE)
 
 
 def _poisoned() -> SamplingParams:
