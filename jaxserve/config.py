@@ -21,7 +21,9 @@ class ModelConfig:
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 elsewhere) | float32 | bfloat16
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
+    # Limits on one request (a larger value is a 400 at the server).
     max_logprobs: int = 20
+    max_n: int = 64  # samples per request: each costs a sequence's compute and KV blocks
 
 
 @dataclass
@@ -145,6 +147,8 @@ class EngineConfig:
             raise ValueError(f"load_format {m.load_format!r} is not supported")
         if m.max_model_len is not None:
             _positive(m, "max_model_len")
+        _non_negative(m, "max_logprobs")
+        _positive(m, "max_n")
         if p.devices is not None and (
                 not isinstance(p.devices, list) or not p.devices
                 or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in p.devices)

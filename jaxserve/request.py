@@ -17,6 +17,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # the step carrying it raised (vLLM's FINISHED_ERROR)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -24,7 +25,8 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def get_finished_reason(status: RequestStatus) -> str | None:
-        """OpenAI-style finish reason: "stop", "length", "abort", or None while unfinished."""
+        """OpenAI-style finish reason: "stop", "length", "abort", "error", or None while
+        unfinished."""
         return _FINISHED_REASONS.get(status)
 
 
@@ -32,6 +34,7 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 
@@ -12,13 +11,20 @@ import numpy as np
 # near-zero temperature is an argmax anyway, and one that overflows.
 SAMPLING_EPS = 1e-5
 SEED_MODULUS = 2**32  # per-request seeds live on the device as u32
+INT32_MAX = 2**31 - 1  # token ids, counts and top_k live on the device as i32
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_STOP_STRINGS = 64  # each is searched in every new piece of text: the cost is per step
+MAX_STOP_CHARS = 4096  # summed over the stop strings
 
 
-def _check_int(name: str, value: object, *, allow_none: bool = False) -> None:
+def _check_int(name: str, value: object, *, allow_none: bool = False, low: int = 0,
+               high: int = INT32_MAX) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
 
 
 def _check_float(name: str, value: object) -> float:
@@ -48,41 +54,33 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n)
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        _check_int("n", self.n, low=1)
 
         self.temperature = _check_float("temperature", self.temperature)
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+        if not 0 <= self.temperature <= FLOAT32_MAX:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         self.top_p = _check_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k)
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or at least 1, got {self.top_k}")
+        _check_int("top_k", self.top_k, low=-1)
         self.top_k = max(int(self.top_k), 0)
         self.min_p = _check_float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
-        _check_int("seed", self.seed, allow_none=True)
+        _check_int("seed", self.seed, allow_none=True, low=-(2**63), high=2**64 - 1)
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))
             if not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
             setattr(self, name, value)
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+        if not 0 < self.repetition_penalty <= FLOAT32_MAX:
             raise ValueError(
                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
 
-        _check_int("max_tokens", self.max_tokens, allow_none=True)
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_int("max_tokens", self.max_tokens, allow_none=True, low=1)
         _check_int("min_tokens", self.min_tokens)
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens}")
@@ -90,8 +88,6 @@ class SamplingParams:
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         _check_int("logprobs", self.logprobs, allow_none=True)
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:
@@ -102,6 +98,12 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         if any(s == "" for s in items):
             raise ValueError(f"stop must not contain an empty string, got {stop!r}")
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, "
+                             f"got {len(items)}")
+        if sum(len(s) for s in items) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings must total at most {MAX_STOP_CHARS} characters, "
+                             f"got {sum(len(s) for s in items)}")
         return list(items)
 
     @staticmethod
@@ -109,8 +111,10 @@ class SamplingParams:
         if ids is None:
             return []
         if not isinstance(ids, (list, tuple)) or any(
-                isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
+                isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t <= INT32_MAX
+                for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of integers in [0, {INT32_MAX}], "
+                             f"got {ids!r}")
         return [int(t) for t in ids]
 
     @property

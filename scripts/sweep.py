@@ -41,7 +41,7 @@ METRICS = ("status", "num_requests", "prompt_tokens", "output_tokens", "elapsed_
 
 
 def load_sweep(path: str | Path) -> dict[str, Any]:
-    from jaxserve.entrypoints.batch_runner import read_yaml_mapping, check_engine_args
+    from jaxserve.entrypoints.batch_spec import read_yaml_mapping, check_engine_args
 
     data = read_yaml_mapping(Path(path), "sweep")
     for key in data:

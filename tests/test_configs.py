@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from jaxserve.config import EngineConfig
-from jaxserve.entrypoints.batch_runner import load_spec, read_rows
+from jaxserve.entrypoints.batch_spec import load_spec, read_rows
 from jaxserve.layers.attention import get_attention_backend, validate_backend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,8 +68,8 @@ def test_batch_run_spec_and_its_input_load(path, monkeypatch):
     monkeypatch.chdir(ROOT)  # specs name paths from the repository root
     spec = load_spec(path)
     EngineConfig.from_kwargs(**spec.engine)
-    rows = read_rows(spec.input, spec.sampling)
-    assert rows and len({r.key for r in rows}) == len(rows)
+    rows, errors = read_rows(spec.input, spec.sampling)
+    assert rows and not errors and len({r.key for r in rows}) == len(rows)
 
 
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.stem)

@@ -83,6 +83,18 @@ def test_boundary_values_are_accepted(kwargs: dict) -> None:
     ({"stop_token_ids": [-1]}, "stop_token_ids", "-1"),
     ({"stop_token_ids": 5}, "stop_token_ids", "5"),
     ({"logprobs": -1}, "logprobs", "-1"),
+    # Values the device holds as int32 / float32 (issue 21: top_k 2**31 crashed the step).
+    ({"top_k": 2**31}, "top_k", "2147483648"),
+    ({"max_tokens": 2**31}, "max_tokens", "2147483648"),
+    ({"min_tokens": 2**31, "max_tokens": None}, "min_tokens", "2147483648"),
+    ({"logprobs": 2**31}, "logprobs", "2147483648"),
+    ({"n": 2**31}, "n", "2147483648"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids", "2147483648"),
+    ({"temperature": 1e39}, "temperature", "1e+39"),
+    ({"repetition_penalty": 1e39}, "repetition_penalty", "1e+39"),
+    ({"seed": 2**64}, "seed", "18446744073709551616"),
+    ({"stop": [str(i) for i in range(65)]}, "stop", "65"),
+    ({"stop": ["x" * 4097]}, "stop", "4097"),
 ])
 def test_invalid_parameter_raises_value_error_naming_field_and_value(
         kwargs: dict, field: str, value: str) -> None:

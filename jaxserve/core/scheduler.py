@@ -20,12 +20,6 @@ from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput,
                                             ModelRunnerOutput, NewRequestData, SchedulerOutput)
 from jaxserve.request import Request, RequestStatus
 
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
-
 
 @dataclass(slots=True)
 class SchedulerStats:
@@ -52,6 +46,11 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_steps = 0
+        # Ids freed while a step that carries them may still run (async scheduling), mapped to
+        # the number of steps that must be updated before a new request may take the id: its
+        # worker state and in-flight token would otherwise land on the newcomer.
+        self._unsettled: dict[str, int] = {}
+        self._num_updated = 0
         self._phase: str | None = None
         # Disaggregated decode: requests whose blocks wait for a KV transfer, and transferred
         # requests the worker has not been sent yet.
@@ -60,6 +59,8 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in this scheduler")
         self.requests[request.request_id] = request
         if self.config.scheduling_policy == "priority":
             key = (request.priority, request.arrival_time)
@@ -89,6 +90,7 @@ class Scheduler:
         self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        self._unsettled[request.request_id] = self.num_steps
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -125,7 +127,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted,
-            sampling_req_ids=sampling)
+            sampling_req_ids=sampling, step=self.num_steps)
         self.finished_req_ids = set()
         self.num_steps += 1
         return out
@@ -179,6 +181,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and not self._prefill_cap_reached(prefills):
             request = self.waiting[0]
+            if self._unsettled.get(request.request_id, 0) > self._num_updated:
+                deferred.append(self.waiting.popleft())  # its id's old owner is in flight
+                continue
             if request.group_id is not None and request.group_id in prefilling:
                 # A sibling (n > 1) is computing the shared prompt: wait one step, then hit
                 # its blocks in the prefix cache instead of computing the prompt again.
@@ -328,6 +333,9 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput,
                            result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        self._num_updated = max(self._num_updated, sched.step + 1)
+        if self._unsettled:
+            self._unsettled = {r: n for r, n in self._unsettled.items() if n > self._num_updated}
         logprobs = result.logprobs or [None] * len(result.req_ids)
         for req_id, token, lp in zip(result.req_ids, result.sampled_token_ids, logprobs):
             request = self.requests.get(req_id)
@@ -346,7 +354,7 @@ class Scheduler:
             if status is not None:
                 self.running.remove(request)
                 self._free(request, status)
-                out.finish_reason = FINISH_REASONS[status]
+                out.finish_reason = RequestStatus.get_finished_reason(status)
                 out.stop_reason = request.stop_reason
             outputs.append(out)
         return outputs

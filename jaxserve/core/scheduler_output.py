@@ -38,6 +38,7 @@ class SchedulerOutput:
     # Requests whose tokens this step reach their end: their sampled token is a real output
     # (the others are prefill chunks, whose sample is dropped).
     sampling_req_ids: set[str] = field(default_factory=set)
+    step: int = 0  # the scheduler's count of steps before this one
 
     @property
     def is_empty(self) -> bool:
@@ -64,6 +65,7 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # with finish_reason "error": what the failed step raised

@@ -34,14 +34,18 @@ class EngineQueueFullError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (shut down, or a step raised)."""
+    """The engine loop has stopped (shut down, or a step lost the device state)."""
+
+
+class EngineStepError(RuntimeError):
+    """The step carrying this request failed; the engine goes on serving (HTTP 500)."""
 
 
 @dataclass(slots=True)
 class AsyncLLMStats:
     engine: EngineStats  # snapshot taken by the engine thread after its latest step
     num_unfinished: int  # accepted by generate() and not yet finished or aborted
-    num_queued: int  # of those, not running in the engine yet (counts n > 1 samples loosely)
+    num_queued: int  # samples (n per request) accepted and not running in the engine yet
     num_steps: int
     num_join_steps: int  # steps where a request got its first token while others decoded
     num_joined_requests: int  # requests whose first token came in such a step
@@ -77,6 +81,7 @@ class _Call:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    samples: int  # n
 
 
 _SHUTDOWN = object()
@@ -110,6 +115,7 @@ class AsyncLLM:
         self.max_queued_requests = max_queued_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._num_samples = 0  # summed over the streams: what max_queued_requests bounds
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._closed = False  # set (under the lock) when the engine thread stops reading
@@ -142,18 +148,22 @@ class AsyncLLM:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if self.num_queued >= self.max_queued_requests:
-            raise EngineQueueFullError(f"{self.num_queued} requests are already waiting "
+        if sampling_params is not None:  # a request that can never run is not "busy": 400
+            self.engine.input_processor.check_params(sampling_params)
+        samples = sampling_params.n if sampling_params is not None else 1
+        if self.num_queued + samples > self.max_queued_requests:
+            raise EngineQueueFullError(f"{self.num_queued} samples are already waiting "
                                        f"(max_queued_requests={self.max_queued_requests})")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), samples)
         self._streams[request_id] = stream
+        self._num_samples += samples
         added = concurrent.futures.Future()
         try:
             self._submit(_Add(request_id, prompt, sampling_params,
                               time.time() if arrival_time is None else arrival_time,
                               priority, cache_salt, added))
         except EngineDeadError:
-            del self._streams[request_id]
+            self._drop_stream(request_id, stream)
             raise
         finished = rejected = False
         try:
@@ -171,10 +181,14 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
+            self._drop_stream(request_id, stream)
             if not finished and not rejected:
                 self._submit(_Abort([request_id], notify=False), quiet=True)
+
+    def _drop_stream(self, request_id: str, stream: _Stream) -> None:
+        if self._streams.get(request_id) is stream:
+            del self._streams[request_id]
+            self._num_samples -= stream.samples
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests; their streams end with a final output whose finish_reason is
@@ -202,7 +216,7 @@ class AsyncLLM:
 
     @property
     def num_queued(self) -> int:
-        return max(0, len(self._streams) - self._engine_stats.num_running)
+        return max(0, self._num_samples - self._engine_stats.num_running)
 
     @property
     def is_running(self) -> bool:
@@ -281,7 +295,13 @@ class AsyncLLM:
         self._step_seconds += time.perf_counter() - start
         self._num_steps += 1
         first = continuing = 0
+        deliveries: list[RequestOutput | tuple[str, BaseException]] = []
         for out in outputs:
+            if out.error is not None:
+                self._started.discard(out.request_id)
+                deliveries.append((out.request_id, EngineStepError(out.error)))
+                continue
+            deliveries.append(out)
             num_new = sum(len(c.token_ids) for c in out.outputs)
             if num_new:
                 if out.request_id in self._started:
@@ -302,7 +322,7 @@ class AsyncLLM:
             self._num_join_steps += 1
             self._num_joined += first
         self._engine_stats = self.engine.stats()
-        self._deliver(outputs)
+        self._deliver(deliveries)
         if not outputs and self._engine_stats.num_running == 0:
             time.sleep(_IDLE_WAIT_S)
 

@@ -8,10 +8,15 @@ known, and the model runner feeds it that token from the device. A request that 
 token sampled at N has already had one more token computed at N+1, which is dropped. Requests
 with penalties need their whole history on the host, so while one runs the core waits for N
 before scheduling N+1.
+
+A step that raises while it is prepared, launched or read back fails the requests it carried
+(finish reason "error", blocks freed) and the engine goes on, unless the device state is lost
+(the KV cache or the last sampled ids can no longer be read): then `DeviceStateLostError`.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from jaxserve.config import EngineConfig
@@ -22,6 +27,12 @@ from jaxserve.executor.executor import Executor
 from jaxserve.executor.model_runner import PendingStep
 from jaxserve.models.loader import LoadedModel
 from jaxserve.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceStateLostError(RuntimeError):
+    """A step failed and took the device state with it: the engine cannot go on."""
 
 
 @dataclass(slots=True)
@@ -49,6 +60,11 @@ class EngineCore:
         worker = self.executor.worker
         self.model_config = worker.model_config
         self.max_model_len = worker.max_model_len
+        for w in self.executor.workers:
+            check_pool_holds_a_sequence(w.num_blocks, w.max_model_len, config.cache.block_size)
+        if config.model.max_logprobs > self.model_config.vocab_size:
+            raise ValueError(f"max_logprobs must be <= the vocabulary size "
+                             f"({self.model_config.vocab_size}), got {config.model.max_logprobs}")
         hash_seed = config.cache.prefix_caching_hash_seed
         self.schedulers = [
             Scheduler(config.scheduler, config.cache, w.num_blocks, w.max_model_len,
@@ -91,19 +107,42 @@ class EngineCore:
             outputs += self._finish(*self._in_flight)
             self._in_flight = None
         scheds = [s.schedule() for s in self.schedulers]
-        previous, self._in_flight = self._in_flight, (scheds, self.executor.dispatch(scheds))
+        previous, self._in_flight = self._in_flight, None
+        try:
+            self._in_flight = (scheds, self.executor.dispatch(scheds))
+        except Exception as exc:  # noqa: BLE001 (fails this step's requests, or re-raised)
+            outputs += self._fail_step(scheds, exc)
         if previous is not None:
             outputs += self._finish(*previous)
-        if not self.config.scheduler.async_scheduling:
+        if not self.config.scheduler.async_scheduling and self._in_flight is not None:
             outputs += self._finish(*self._in_flight)
             self._in_flight = None
         self.num_steps += 1
         return outputs
 
+    def _fail_step(self, scheds: list[SchedulerOutput], exc: Exception,
+                   ) -> list[EngineCoreOutput]:
+        if self.executor.device_state_lost():
+            raise DeviceStateLostError(f"a step failed and the device state is lost: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+        logger.exception("an engine step failed; its requests are failed, the engine goes on")
+        error = f"the engine step failed: {type(exc).__name__}: {exc}"
+        outputs = []
+        for scheduler, sched in zip(self.schedulers, scheds):
+            ids = [r for r in sched.num_scheduled_tokens if r in scheduler.requests]
+            scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            for req_id in ids:
+                self.router.forget(req_id)
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=error))
+        return outputs
+
     def _finish(self, scheds: list[SchedulerOutput],
                 pending: list[PendingStep | None]) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        results = self.executor.collect(pending)
+        try:
+            results = self.executor.collect(pending)
+        except Exception as exc:  # noqa: BLE001 (fails this step's requests, or re-raised)
+            return self._fail_step(scheds, exc)
         for scheduler, sched, result in zip(self.schedulers, scheds, results):
             for out in scheduler.update_from_output(sched, result):
                 if out.finish_reason is not None:
@@ -129,3 +168,13 @@ class EngineCore:
             num_steps=self.num_steps,
             num_compilations=sum(w.runner.num_compilations for w in self.executor.workers),
             warm_up_seconds=self.warm_up_seconds)
+
+
+def check_pool_holds_a_sequence(num_blocks: int, max_model_len: int, block_size: int) -> None:
+    """A pool that cannot hold one max_model_len sequence lets a long prompt wait forever (it
+    blocks the FCFS queue) and a request that outgrows the pool preempt itself forever."""
+    blocks_per_seq = -(-max_model_len // block_size)
+    if num_blocks < blocks_per_seq + 1:
+        raise ValueError(f"num_kv_blocks ({num_blocks}) must hold one max_model_len "
+                         f"({max_model_len}) sequence: at least {blocks_per_seq} + 1 (the null "
+                         "block); lower max_model_len or add blocks")

@@ -7,6 +7,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from jaxserve.config import ModelConfig
 from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams, request_seed
@@ -20,14 +21,27 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 block_size: int, root_hash: bytes, seed: int, max_logprobs: int):
+                 block_size: int, root_hash: bytes, limits: ModelConfig):
+        """`limits`: the engine's seed and per-request limits (max_logprobs, max_n)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.root_hash = root_hash
-        self.max_logprobs = max_logprobs
-        self.rng = np.random.default_rng(seed)
+        self.max_logprobs = limits.max_logprobs
+        self.max_n = limits.max_n
+        self.rng = np.random.default_rng(limits.seed)
+        per_token = None if tokenizer is None else tokenizer.max_token_chars()
+        # A longer text has more than max_model_len tokens whatever it says.
+        self.max_prompt_chars = None if per_token is None else max_model_len * max(per_token, 1)
+
+    def check_prompt_chars(self, text: str, what: str = "prompt") -> None:
+        """Refuse a text too long for the context before tokenising it (that costs time and
+        memory in proportion to its length)."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise ValueError(f"{what}: {len(text)} characters are more than max_model_len "
+                             f"({self.max_model_len}) tokens of this tokenizer can hold "
+                             f"({self.max_prompt_chars} characters at most)")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -35,6 +49,7 @@ class InputProcessor:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            self.check_prompt_chars(prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -61,14 +76,13 @@ class InputProcessor:
             raise ValueError(f"prompt length {len(token_ids)} must be less than max_model_len "
                              f"({self.max_model_len})")
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
-                arrival_time: float | None = None, priority: int = 0,
-                cache_salt: str | None = None) -> tuple[str | None, list[Request]]:
-        params = params if params is not None else SamplingParams()
+    def check_params(self, params: object) -> None:
+        """The engine's limits on sampling parameters (their own ranges are checked when they
+        are made); reads only settings fixed at start, so any thread may call it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        if params.n > self.max_n:
+            raise ValueError(f"n must be <= max_n ({self.max_n}), got {params.n}")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.max_logprobs}), "
                              f"got {params.logprobs}")
@@ -76,6 +90,16 @@ class InputProcessor:
         if bad_stop:
             raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
+                arrival_time: float | None = None, priority: int = 0,
+                cache_salt: str | None = None) -> tuple[str | None, list[Request]]:
+        params = params if params is not None else SamplingParams()
+        self.check_params(params)
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         text, token_ids = self.tokenize(prompt)
         self.validate_token_ids(token_ids)
         room = self.max_model_len - len(token_ids)

@@ -22,8 +22,7 @@ class LLMEngine:
         self.tokenizer = worker.loaded.tokenizer
         self.input_processor = InputProcessor(
             self.tokenizer, self.core.model_config.vocab_size, self.core.max_model_len,
-            config.cache.block_size, self.core.root_hash, config.model.seed,
-            config.model.max_logprobs)
+            config.cache.block_size, self.core.root_hash, config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
@@ -37,6 +36,11 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, requests = self.input_processor.process(request_id, prompt, params, arrival_time,
                                                       priority, cache_salt)
+        for child in (r.request_id for r in requests):
+            owner = self.output_processor.parent_of.get(child)
+            if owner is not None:  # n > 1 samples are "{i}_{id}": they share one namespace
+                raise ValueError(f"request_id {request_id!r} is already in use: "
+                                 f"{child!r} is a sample of {owner!r}")
         first = requests[0]
         self.output_processor.add_request(request_id, text, first.prompt_token_ids,
                                           first.sampling_params, first.arrival_time,

@@ -29,6 +29,7 @@ class RequestState:
     samples: list[_Sample]
     num_cached_tokens: int = 0
     child_index: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,10 +99,13 @@ class OutputProcessor:
                 comp.text += sample.detokenizer.push(out.new_token_ids)
                 if out.finish_reason is not None:
                     comp.text += sample.detokenizer.flush()
-                if self._apply_stop_strings(comp, state.params, before):
+                # As vLLM: stop strings count only once min_tokens tokens are out.
+                if len(comp.token_ids) > state.params.min_tokens and self._apply_stop_strings(
+                        comp, state.params, before):
                     stopped.append(out.request_id)
             if out.finish_reason is not None and not comp.finished:
                 comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+                state.error = state.error or out.error
             touched[parent] = state
         results = []
         for parent, state in touched.items():
@@ -151,4 +155,4 @@ class OutputProcessor:
                 comp = d
             completions.append(comp)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             state.finished, state.metrics, state.num_cached_tokens)
+                             state.finished, state.metrics, state.num_cached_tokens, state.error)

@@ -16,163 +16,20 @@ finished and duplicates nothing; a torn last line (a write cut by the kill) is c
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-import yaml
 
-from jaxserve.config import check_engine_args  # also imported from here by scripts/sweep.py
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.entrypoints.batch_spec import BatchRunSpec, InputRow, RowError, read_rows
 
-SPEC_KEYS = ("engine_preset", "engine", "input", "output", "sampling", "summary_output",
-             "max_in_flight")
-ROW_PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
-ROW_KEYS = ("id", "sampling", *ROW_PROMPT_KEYS)
-SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
-
-
-@dataclass
-class BatchRunSpec:
-    engine: dict[str, Any]
-    input: Path
-    output: Path
-    sampling: dict[str, Any] = field(default_factory=dict)
-    summary_output: Path | None = None
-    max_in_flight: int | None = None
-
-
-@dataclass
-class InputRow:
-    id: str | int
-    prompt: str | list[int] | list[dict[str, Any]]
-    kind: str  # "prompt" | "prompt_token_ids" | "messages"
-    params: SamplingParams
-
-    @property
-    def key(self) -> str:
-        return str(self.id)
-
-
-# ---- the spec -----------------------------------------------------------------------------
-def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ValueError(f"{what}: cannot read {path}: {e}") from e
-    except yaml.YAMLError as e:
-        raise ValueError(f"{what}: {path} is not valid YAML: {e}") from e
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ValueError(f"{what}: {path} must hold a mapping, got {type(data).__name__}")
-    return data
-
-
-def check_sampling(overrides: Any, where: str) -> SamplingParams:
-    if not isinstance(overrides, dict):
-        raise ValueError(f"{where} must be a mapping of sampling parameters, got {overrides!r}")
-    for name in overrides:
-        if name not in SAMPLING_KEYS:
-            raise ValueError(f"{where}.{name}: unknown sampling parameter")
-    try:
-        return SamplingParams(**overrides)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from e
-
-
-def load_spec(path: str | Path) -> BatchRunSpec:
-    path = Path(path)
-    data = read_yaml_mapping(path, "batch spec")
-    for key in data:
-        if key not in SPEC_KEYS:
-            raise ValueError(f"{path}: unknown key {key!r}; expected one of {list(SPEC_KEYS)}")
-    for key in ("input", "output"):
-        if not isinstance(data.get(key), str) or not data[key]:
-            raise ValueError(f"{path}: {key!r} must name a JSONL file, got {data.get(key)!r}")
-    engine: dict[str, Any] = {}
-    preset = data.get("engine_preset")
-    if preset is not None:
-        if not isinstance(preset, str):
-            raise ValueError(f"{path}: 'engine_preset' must be a path, got {preset!r}")
-        engine = read_yaml_mapping(Path(preset), "engine_preset")
-        check_engine_args(engine, f"engine_preset {preset}: engine")
-    overrides = data.get("engine") or {}
-    if not isinstance(overrides, dict):
-        raise ValueError(f"{path}: 'engine' must be a mapping, got {overrides!r}")
-    check_engine_args(overrides, "engine")
-    engine |= overrides
-    if "model" not in engine:
-        raise ValueError(f"{path}: 'engine.model' is required (or an engine_preset that sets it)")
-    sampling = data.get("sampling") or {}
-    check_sampling(sampling, "sampling")
-    in_flight = data.get("max_in_flight")
-    if in_flight is not None and (not isinstance(in_flight, int) or isinstance(in_flight, bool)
-                                  or in_flight < 1):
-        raise ValueError(f"{path}: 'max_in_flight' must be a positive integer, got {in_flight!r}")
-    summary = data.get("summary_output")
-    if summary is not None and not isinstance(summary, str):
-        raise ValueError(f"{path}: 'summary_output' must be a path, got {summary!r}")
-    return BatchRunSpec(engine=engine, input=Path(data["input"]), output=Path(data["output"]),
-                        sampling=sampling, summary_output=Path(summary) if summary else None,
-                        max_in_flight=in_flight)
-
-
-# ---- input rows ---------------------------------------------------------------------------
-def _parse_row(obj: Any, where: str, defaults: dict[str, Any]) -> InputRow:
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: a row must be a JSON object")
-    for key in obj:
-        if key not in ROW_KEYS:
-            raise ValueError(f"{where}: unknown key {key!r}; expected {list(ROW_KEYS)}")
-    row_id = obj.get("id")
-    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)) or row_id == "":
-        raise ValueError(f"{where}: 'id' must be a non-empty string or an integer, got {row_id!r}")
-    kinds = [k for k in ROW_PROMPT_KEYS if k in obj]
-    if len(kinds) != 1:
-        raise ValueError(f"{where}: a row needs exactly one of {list(ROW_PROMPT_KEYS)}, "
-                         f"got {kinds}")
-    kind, prompt = kinds[0], obj[kinds[0]]
-    if kind == "prompt" and not isinstance(prompt, str):
-        raise ValueError(f"{where}: 'prompt' must be a string")
-    if kind == "prompt_token_ids" and (not isinstance(prompt, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-        raise ValueError(f"{where}: 'prompt_token_ids' must be a list of integers")
-    if kind == "messages" and (not isinstance(prompt, list) or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):
-        raise ValueError(f"{where}: 'messages' must be a list of {{role, content}} objects")
-    overrides = obj.get("sampling", {})
-    if not isinstance(overrides, dict):
-        raise ValueError(f"{where}: 'sampling' must be a mapping, got {overrides!r}")
-    return InputRow(row_id, prompt, kind, check_sampling(defaults | overrides,
-                                                         f"{where}: sampling"))
-
-
-def read_rows(path: Path, defaults: dict[str, Any]) -> list[InputRow]:
-    """Every row of the input JSONL, validated; blank lines are skipped, ids must be unique."""
-    rows: list[InputRow] = []
-    seen: dict[str, int] = {}
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"input: cannot read {path}: {e}") from e
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path} line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: invalid JSON: {e}") from e
-        row = _parse_row(obj, where, defaults)
-        if row.key in seen:
-            raise ValueError(f"{where}: duplicate id {row.id!r} (first on line {seen[row.key]})")
-        seen[row.key] = lineno
-        rows.append(row)
-    return rows
+logger = logging.getLogger(__name__)
 
 
 # ---- the output file ----------------------------------------------------------------------
@@ -198,6 +55,22 @@ def recover_output(path: Path) -> set[str]:
             raise ValueError(f"output {path} line {lineno} is not a result record ({e}); "
                              "refusing to append to it") from e
     return done
+
+
+def open_output(path: Path) -> IO[str]:
+    """The output, opened for appending and locked for this run (two runs on one output would
+    each run every row); an unwritable path is a ValueError, before any engine starts."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a", encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"output: cannot write {path}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ValueError(f"output: {path} is in use by another run") from None
+    return f
 
 
 def _append_records(f: IO[str], records: list[dict[str, Any]]) -> None:
@@ -320,24 +193,31 @@ def run_batch(spec: BatchRunSpec, engine: Any = None, progress: bool = True) -> 
     and fsynced) as it finishes. `engine`: an LLMEngine to reuse (else one is built)."""
     from tqdm.auto import tqdm
 
-    rows = read_rows(spec.input, spec.sampling)
-    spec.output.parent.mkdir(parents=True, exist_ok=True)
-    done = recover_output(spec.output)
-    todo = [r for r in rows if r.key not in done]
-    start = time.perf_counter()
-    engine = engine if engine is not None else build_engine(spec)
-    init_s = time.perf_counter() - start
-    _check_chat_support(todo, engine.tokenizer, spec)
-    before = engine.stats()
-    max_in_flight = spec.max_in_flight or 2 * engine.config.scheduler.max_num_seqs
+    rows, row_errors = read_rows(spec.input, spec.sampling)
+    if spec.summary_output is not None:
+        try:
+            spec.summary_output.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"summary_output: cannot write {spec.summary_output}: "
+                             f"{e.strerror or e}") from None
+    with open_output(spec.output) as f:
+        done = recover_output(spec.output)
+        todo = [r for r in rows if r.key not in done]
+        bad = _bad_rows(row_errors, done)
+        start = time.perf_counter()
+        engine = engine if engine is not None else build_engine(spec)
+        init_s = time.perf_counter() - start
+        _check_chat_support(todo, engine.tokenizer, spec)
+        before = engine.stats()
+        max_in_flight = spec.max_in_flight or 2 * engine.config.scheduler.max_num_seqs
 
-    finished: list[Any] = []
-    in_flight: dict[str, InputRow] = {}
-    num_failed = output_tokens = 0
-    queue = iter(todo)
-    bar = tqdm(total=len(todo), desc="requests", unit="req", disable=not progress)
-    start = time.perf_counter()
-    with open(spec.output, "a", encoding="utf-8") as f:
+        finished: list[Any] = []
+        in_flight: dict[str, InputRow] = {}
+        num_failed, output_tokens = len(bad), 0
+        queue = iter(todo)
+        bar = tqdm(total=len(todo), desc="requests", unit="req", disable=not progress)
+        start = time.perf_counter()
+        _append_records(f, [{"id": e.id, "error": e.message} for e in bad if e.id is not None])
         while True:
             records: list[dict[str, Any]] = []
             while len(in_flight) < max_in_flight and (row := next(queue, None)) is not None:
@@ -362,14 +242,26 @@ def run_batch(spec: BatchRunSpec, engine: Any = None, progress: bool = True) -> 
             if records:
                 rate = output_tokens / max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix_str(f"{rate:.1f} output tok/s", refresh=False)
-    bar.close()
+        bar.close()
     elapsed = time.perf_counter() - start
     after = engine.stats()
     summary = _summarise(finished, num_failed, len(done), elapsed, init_s, before, after)
     if spec.summary_output is not None:
-        spec.summary_output.parent.mkdir(parents=True, exist_ok=True)
-        spec.summary_output.write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+        try:
+            spec.summary_output.write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+        except OSError as e:
+            raise ValueError(f"summary_output: cannot write {spec.summary_output}: "
+                             f"{e.strerror or e}") from None
     return summary
+
+
+def _bad_rows(errors: list[RowError], done: set[str]) -> list[RowError]:
+    """The invalid rows not already recorded; those without an id are logged (the output is
+    keyed by id), the others are written as error records."""
+    for e in errors:
+        if e.id is None:
+            logger.warning("input row skipped: %s", e.message)
+    return [e for e in errors if e.id is None or e.key not in done]
 
 
 def _summarise(outputs: list[Any], num_failed: int, num_skipped: int, elapsed: float,

@@ -11,7 +11,8 @@ from typing import Any
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from jaxserve.entrypoints.batch_runner import load_spec, run_batch
+    from jaxserve.entrypoints.batch_runner import run_batch
+    from jaxserve.entrypoints.batch_spec import load_spec
 
     spec = load_spec(args.spec)
     changes: dict[str, Any] = {}

@@ -17,10 +17,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     llm = AsyncLLM(args.model, max_queued_requests=args.max_queued_requests,
                    **engine_kwargs(args, skip=("model",)))
-    run_server(llm, args.served_model_name or [args.model or "jaxserve-default"], args.host,
-               args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-               log_level=args.uvicorn_log_level)
-    return 0
+    limits = {name: getattr(args, name) for name in ("max_body_bytes", "read_timeout_s")
+              if getattr(args, name) is not None}  # else the server's defaults
+    return run_server(llm, args.served_model_name or [args.model or "jaxserve-default"],
+                      args.host, args.port,
+                      api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                      log_level=args.uvicorn_log_level, open_metrics=args.open_metrics,
+                      **limits)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +36,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--host", default="0.0.0.0")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                   f"(default: ${API_KEY_ENV}, which unlike this flag is not visible in ps)")
+    g.add_argument("--open-metrics", action="store_true",
+                   help="serve /metrics without the API key (for a scraper without it)")
+    g.add_argument("--max-request-body-bytes", dest="max_body_bytes", type=int, default=None,
+                   help="larger request bodies get HTTP 413 (default: 10 MiB)")
+    g.add_argument("--http-read-timeout", dest="read_timeout_s", type=float, default=None,
+                   help="seconds a request's headers, and each chunk of its body, may take "
+                   "to arrive (default: 30)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the model argument)")
     g.add_argument("--max-queued-requests", type=int, default=1024,

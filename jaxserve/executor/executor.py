@@ -38,6 +38,19 @@ class Executor:
     def collect(self, pending: list[PendingStep | None]) -> list[ModelRunnerOutput]:
         return [w.runner.collect(p) for w, p in zip(self.workers, pending)]
 
+    def device_state_lost(self) -> bool:
+        """Whether a worker's KV cache or last sampled ids are gone or hold an error (a failed
+        device computation poisons its outputs and may have consumed its donated inputs)."""
+        for w in self.workers:
+            for array in (w.runner.k_cache, w.runner.v_cache, w.runner.prev_sampled):
+                try:
+                    if array.is_deleted():
+                        return True
+                    array.block_until_ready()
+                except Exception:  # noqa: BLE001 (any failure to read it back means lost)
+                    return True
+        return False
+
     def warm_up(self) -> float:
         return sum(w.runner.warm_up() for w in self.workers)
 

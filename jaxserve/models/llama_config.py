@@ -7,6 +7,8 @@ llama2.c header. Parameter names and shapes of the canonical weight dict are in 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +19,20 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": {"attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
 }
+INT32_MAX = 2**31 - 1  # token ids and positions live on the device as i32
+# Upper bounds far above any real model, low enough that nonsense fails before allocation.
+_LIMITS = {"vocab_size": INT32_MAX, "hidden_size": 2**17, "intermediate_size": 2**19,
+           "num_layers": 1024, "num_heads": 2**12, "num_kv_heads": 2**12, "head_dim": 2**12,
+           "max_position_embeddings": INT32_MAX}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_positive_number(value: object) -> bool:
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
 
 
 @dataclass(frozen=True)
@@ -43,14 +59,38 @@ class LlamaConfig:
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
+        for name, high in _LIMITS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+            if not _is_int(value) or not 0 < value <= high:
+                raise ValueError(f"model config: {name} must be an integer in [1, {high}], "
+                                 f"got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"model config: head_dim must be even (RoPE rotates pairs), "
+                             f"got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not _is_positive_number(getattr(self, name)):
+                raise ValueError(f"model config: {name} must be a finite number > 0, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model config: {name} must be true or false, "
+                                 f"got {getattr(self, name)!r}")
+        if self.sliding_window is not None and (not _is_int(self.sliding_window)
+                                                or self.sliding_window <= 0):
+            raise ValueError(f"model config: sliding_window must be a positive integer or "
+                             f"null, got {self.sliding_window!r}")
+        ids = ([] if self.bos_token_id is None else [self.bos_token_id]) + list(self.eos_token_ids)
+        if any(not _is_int(t) or not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"model config: bos/eos token ids must be integers in [0, "
+                             f"{self.vocab_size}), got {self.bos_token_id!r} and "
+                             f"{list(self.eos_token_ids)!r}")
+        for key, value in self.rope_scaling or ():
+            if key != "rope_type" and not _is_positive_number(value):
+                raise ValueError(f"model config: rope_scaling.{key} must be a finite number "
+                                 f"> 0, got {value!r}")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -64,8 +104,12 @@ class LlamaConfig:
             raise ValueError(f"unsupported architecture {arch!r}; jaxserve supports "
                              f"{sorted(SUPPORTED_ARCHITECTURES)}")
         implied = SUPPORTED_ARCHITECTURES[arch]
-        num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        num_heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+        for name, value in (("num_attention_heads", num_heads), ("hidden_size", hidden)):
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"model config: {name} must be a positive integer, "
+                                 f"got {value!r}")
+        head_dim = cfg.get("head_dim") or hidden // num_heads
         rope_scaling = cfg.get("rope_scaling") or None
         rope_theta = cfg.get("rope_theta")
         rope_params = cfg.get("rope_parameters")  # transformers 5 moves theta/scaling here
@@ -96,7 +140,7 @@ class LlamaConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_theta=rope_theta if rope_theta is not None else 10000.0,
             rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),

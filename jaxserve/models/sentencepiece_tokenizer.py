@@ -175,6 +175,9 @@ class SentencePieceTokenizer(Tokenizer):
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def max_token_chars(self) -> int | None:
+        return max(map(len, self.pieces), default=1)  # byte pieces "<0x41>" only overcount
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()
         prev: int | None = None

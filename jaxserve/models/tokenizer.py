@@ -33,6 +33,11 @@ class Tokenizer(ABC):
                             add_generation_prompt: bool = True) -> list[int]:
         raise ValueError(f"{type(self).__name__} has no chat template")
 
+    def max_token_chars(self) -> int | None:
+        """An upper bound on the characters of text one token stands for (None: unknown), so
+        that a text too long for the context is refused before it is tokenised."""
+        return None
+
 
 class IncrementalDetokenizer:
     """Turns a stream of output ids into text deltas (vLLM's prefix/read offset scheme).
@@ -137,6 +142,12 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def max_token_chars(self) -> int | None:
+        if self._tok.model.__class__.__name__ in ("WordPiece", "WordLevel"):
+            return None  # these map a whole unknown word to one token
+        # A vocabulary entry has one character per byte (byte-level) or per character.
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def render_chat_template(self, messages: list[dict[str, Any]],
                              add_generation_prompt: bool = True) -> str:

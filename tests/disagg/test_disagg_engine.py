@@ -99,7 +99,7 @@ def test_llm_and_async_llm_work_unchanged_over_the_disaggregated_core(gqa8, comp
 
 def test_a_decode_side_too_small_for_one_sequence_or_missing_devices_fail_at_start_up(gqa8):
     small = {**SPLIT, "decode": {**SPLIT["decode"], "num_kv_blocks": 8}}
-    with pytest.raises(ValueError, match="disaggregation.decode: num_kv_blocks 8 cannot hold"):
+    with pytest.raises(ValueError, match=r"disaggregation.decode: num_kv_blocks \(8\) must hold"):
         LLM(gqa8, disaggregation=small, **ENGINE)
     far = {"prefill": {"num_devices": 4}, "decode": {"devices": [8, 9]}}
     with pytest.raises(ValueError, match="only 8 are present"):

@@ -88,3 +88,42 @@ def test_unknown_architecture_and_missing_model_are_clear_errors(tmp_path):
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="does-not-exist"):
         LLM(str(tmp_path / "does-not-exist"))
+
+
+def test_a_kv_pool_smaller_than_one_full_sequence_is_refused(llama, compile_cache_dir):
+    # max_model_len 128 in blocks of 16 needs 8 blocks, plus the null block: 9.
+    args = SMALL_ENGINE | dict(compilation_cache_dir=compile_cache_dir)
+    with pytest.raises(ValueError, match=r"num_kv_blocks .*8 \+ 1"):
+        LLM(str(llama), **(args | {"num_kv_blocks": 8}))
+    llm = LLM(str(llama), **(args | {"num_kv_blocks": 9}))
+    long = random_prompts(1, 120, 120, seed=32)[0]  # the longest prompt fits alone
+    out = llm.generate({"prompt_token_ids": long}, GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+    assert_no_leaks(llm.engine)
+
+
+def test_n_is_capped_by_max_n(llama, compile_cache_dir):
+    engine = LLMEngine.from_engine_args(model=str(llama), compilation_cache_dir=compile_cache_dir,
+                                        **(SMALL_ENGINE | {"max_n": 4}))
+    with pytest.raises(ValueError, match=r"n must be <= max_n \(4\), got 5"):
+        engine.add_request("big", {"prompt_token_ids": [3, 4]}, SamplingParams(n=5))
+    engine.add_request("ok", {"prompt_token_ids": [3, 4]}, SamplingParams(n=4, max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leaks(engine)
+    with pytest.raises(ValueError, match="max_n"):
+        LLM(str(llama), **(SMALL_ENGINE | {"max_n": 0}))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_wrong_typed_priority_is_refused_and_leaves_nothing_behind(llama, compile_cache_dir,
+                                                                     policy):
+    engine = LLMEngine.from_engine_args(model=str(llama), compilation_cache_dir=compile_cache_dir,
+                                        **(SMALL_ENGINE | {"scheduling_policy": policy}))
+    engine.add_request("first", {"prompt_token_ids": [3, 4]}, GREEDY)
+    for bad in ("high", 1.5, None, True):
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            engine.add_request("p", {"prompt_token_ids": [3, 4]}, GREEDY, priority=bad)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leaks(engine)

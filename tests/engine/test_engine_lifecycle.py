@@ -107,6 +107,18 @@ def test_stop_strings_end_the_text_and_the_request(llm):
     assert_no_leaks(llm.engine)
 
 
+def test_stop_strings_are_skipped_until_min_tokens(llm):
+    free = llm.generate("Once upon a time", GREEDY, use_tqdm=False)[0].outputs[0]
+    stop = free.text[3:6]
+    out = llm.generate("Once upon a time", SamplingParams(
+        temperature=0.0, max_tokens=12, min_tokens=10, ignore_eos=True, stop=[stop]),
+        use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 10  # as vLLM: no stop string check before min_tokens
+    assert out.text.startswith(free.text[:free.text.index(stop) + len(stop)])
+    assert out.token_ids == free.token_ids[:len(out.token_ids)]
+    assert_no_leaks(llm.engine)
+
+
 def test_chat_uses_the_tokenizer_chat_template(llm):
     tokenizer = llm.get_tokenizer()
     messages = [{"role": "user", "content": "Hello robot"}]

@@ -11,13 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import re
+
 import numpy as np
 import pytest
 import yaml
 from batch_helpers import write_tiny_model
 
-from jaxserve.entrypoints.batch_runner import (BatchRunSpec, build_engine, load_spec,
-                                               recover_output, run_batch)
+from jaxserve.entrypoints.batch_runner import build_engine, recover_output, run_batch
+from jaxserve.entrypoints.batch_spec import BatchRunSpec, load_spec
 from jaxserve.entrypoints.cli import main as cli_main
 
 NUM_ROWS = 10
@@ -211,17 +213,48 @@ def test_engine_preset_is_merged_under_the_engine_mapping(tmp_path, engine_args)
     ({"id": "a", "prompt": "x", "sampling": {"max_tokns": 3}}, "sampling.max_tokns"),
     ({"id": "a", "prompt": "x", "sampling": {"max_tokens": 0}}, "max_tokens"),
 ])
-def test_bad_input_row_is_a_value_error_naming_line_and_key(tmp_path, engine_args, row, match):
-    spec = load_spec(write_spec(tmp_path, engine_args, [row]))
-    with pytest.raises(ValueError, match=match):
-        run_batch(spec, engine=object(), progress=False)  # fails before touching the engine
+def test_a_bad_input_row_is_reported_naming_line_and_key_and_the_others_run(
+        tmp_path, engine_args, engine, row, match, caplog):
+    rows = token_rows(2)
+    spec = load_spec(write_spec(tmp_path, engine_args, [row] + rows))
+    summary = run_batch(spec, engine, progress=False)  # one bad row used to refuse the run
+    assert summary.num_requests == 2 and summary.num_failed == 1
+    records = read_records(spec.output)
+    assert {r["id"] for r in records if "outputs" in r} == {"r0", "r1"}
+    errors = [r["error"] for r in records if "error" in r] or [caplog.text]  # no id: logged
+    assert len(errors) == 1 and re.search(match, errors[0])
+    assert run_batch(spec, engine, progress=False).num_requests == 0  # nothing runs twice
 
 
-def test_duplicate_ids_are_refused(tmp_path, engine_args):
+def test_duplicate_ids_run_once(tmp_path, engine_args, engine, caplog):
     rows = [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, {"id": "a", "prompt": "z"}]
     spec = load_spec(write_spec(tmp_path, engine_args, rows))
-    with pytest.raises(ValueError, match="line 3: duplicate id 'a'"):
-        run_batch(spec, engine=object(), progress=False)
+    summary = run_batch(spec, engine, progress=False)
+    assert summary.num_requests == 2 and summary.num_failed == 1
+    assert sorted(r["id"] for r in read_records(spec.output)) == ["a", "b"]
+    assert "line 3: duplicate id 'a'" in caplog.text
+
+
+def test_two_runs_on_one_output_are_refused(tmp_path, engine_args, engine):
+    import fcntl
+
+    spec = load_spec(write_spec(tmp_path, engine_args, token_rows(2)))
+    with open(spec.output, "a") as held:  # what a running `jaxserve run` holds
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(ValueError, match="in use by another run"):
+            run_batch(spec, engine, progress=False)
+    assert run_batch(spec, engine, progress=False).num_requests == 2
+    assert len(read_records(spec.output)) == 2
+
+
+def test_an_unwritable_output_is_an_error_before_the_engine_starts(tmp_path, engine_args,
+                                                                   capsys):
+    (tmp_path / "file").write_text("")
+    spec = write_spec(tmp_path, engine_args | {"model": "/no/such/model"}, token_rows(1),
+                      output=str(tmp_path / "file" / "out.jsonl"))
+    assert cli_main(["run", str(spec), "--no-progress"]) == 2  # not a traceback
+    err = capsys.readouterr().err
+    assert "output: cannot write" in err and "no/such/model" not in err
 
 
 def test_messages_without_a_chat_template_fail_before_any_row_runs(tmp_path, engine_args):

@@ -37,8 +37,11 @@ def test_bad_requests_get_400_while_requests_in_flight_are_unaffected(served, of
         ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be"),
         ({"prompt": "x", "top_p": 1.5}, "top_p", "top_p must be in (0, 1]"),
         ({"prompt": "x", "n": "three"}, "n", "valid integer"),
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be in [1, 2147483647]"),
         ({"prompt": "x", "logprobs": 1000}, "logprobs", "max_logprobs"),
+        ({"prompt": "x", "n": 97500}, "n", "n must be <= max_n (64)"),  # not a 503 queue_full
+        ({"prompt": "x", "top_k": 2**31}, "top_k", "top_k must be in [-1, 2147483647]"),
+        ({"prompt": "x", "seed": 2**70}, "seed", "seed must be in"),
         ({"max_tokens": 3}, "prompt", "Field required"),
         ({"prompt": ""}, "prompt", "must not be empty"),
         ({"prompt": [10**6]}, "prompt_token_ids", "outside the vocabulary"),
@@ -66,22 +69,32 @@ def test_bad_requests_get_400_while_requests_in_flight_are_unaffected(served, of
     served.llm.call_in_engine(assert_no_leaks).result()
 
 
-def test_the_api_key_is_required_on_v1_routes(served):
+def test_the_api_key_is_required_on_every_route_but_health(served):
     body = {"prompt": "x", "max_tokens": 2, "temperature": 0}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-key"}):
         error = _error(httpx.post(f"{served.url}/v1/completions", json=body, headers=headers),
                        401)
         assert error["code"] == "invalid_api_key"
-    assert _error(httpx.get(f"{served.url}/v1/models"), 401)["type"] == "authentication_error"
+    for path in ("/v1/models", "/metrics", "/openapi.json", "/docs", "/redoc"):
+        assert _error(httpx.get(f"{served.url}{path}"), 401)["type"] == "authentication_error"
+        assert httpx.get(f"{served.url}{path}", headers=served.headers).status_code == 200
     assert httpx.get(f"{served.url}/health").status_code == 200
     ok = httpx.post(f"{served.url}/v1/completions", json=body, headers=served.headers,
                     timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+def _aborted_count(served) -> float:
+    text = httpx.get(f"{served.url}/metrics", headers=served.headers).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("jaxserve:request_success_total{")
+               and 'finished_reason="abort"' in line)
+
+
 def test_a_client_that_disconnects_has_its_request_aborted_and_blocks_freed(served):
     llm = served.llm
     before = llm.stats().num_generation_tokens
+    aborted = _aborted_count(served)
     gate = threading.Event()
     with httpx.Client(headers=served.headers, timeout=60) as http:
         with http.stream("POST", f"{served.url}/v1/completions", json=LONG) as resp:
@@ -100,6 +113,7 @@ def test_a_client_that_disconnects_has_its_request_aborted_and_blocks_freed(serv
     wait_engine_idle(llm)
     llm.call_in_engine(assert_no_leaks).result()
     assert llm.stats().num_generation_tokens - before < LONG["max_tokens"]
+    assert _aborted_count(served) == aborted + 2  # both disconnects count as aborted
     ok = httpx.post(f"{served.url}/v1/completions", headers=served.headers, timeout=60,
                     json={"prompt": "Once", "max_tokens": 3, "ignore_eos": True,
                           "temperature": 0})
@@ -136,3 +150,68 @@ def test_a_full_queue_answers_503_and_recovers(served):
     assert [r.status_code for r in results] == [200, 200]
     wait_engine_idle(llm)
     llm.call_in_engine(assert_no_leaks).result()
+
+
+def test_a_failing_step_answers_500_for_its_request_and_the_server_goes_on(served, monkeypatch):
+    executor = served.llm.engine.core.executor
+    dispatch = executor.dispatch
+    calls = []
+
+    def fail_once(scheds):  # noqa: ANN001, ANN202
+        if not calls and any(s.num_scheduled_tokens for s in scheds):
+            calls.append(1)
+            raise RuntimeError("kernel failed in /opt/secret/site-packages/x.py")
+        return dispatch(scheds)
+
+    monkeypatch.setattr(executor, "dispatch", fail_once)
+    body = {"prompt": "Once", "max_tokens": 3, "temperature": 0}
+    with httpx.Client(headers=served.headers, timeout=60) as http:
+        error = _error(http.post(f"{served.url}/v1/completions", json=body), 500)
+        assert error["code"] == "engine_step_failed" and "kernel failed" in error["message"]
+        assert "/opt/secret" not in error["message"]
+        assert http.get(f"{served.url}/health").status_code == 200
+        ok = http.post(f"{served.url}/v1/completions", json=body)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    wait_engine_idle(served.llm)
+    served.llm.call_in_engine(assert_no_leaks).result()
+
+
+def test_metrics_can_be_opened_and_a_public_bind_without_a_key_warns(served, caplog):
+    from starlette.testclient import TestClient
+
+    from jaxserve.entrypoints.openai.api_server import build_app, warn_if_exposed
+
+    with TestClient(build_app(served.llm, [MODEL_NAME], api_key="k", open_metrics=True)) as http:
+        assert http.get("/metrics").status_code == 200
+        assert http.get("/v1/models").status_code == 401
+    for host, key in (("127.0.0.1", None), ("::1", None), ("localhost", None), ("0.0.0.0", "k")):
+        warn_if_exposed(host, key)
+    assert not caplog.records
+    warn_if_exposed("0.0.0.0", None)
+    assert "without an API key" in caplog.text and "JAXSERVE_API_KEY" in caplog.text
+
+
+def test_odd_bodies_get_400_with_a_json_error(served):
+    url = f"{served.url}/v1/completions"
+    with httpx.Client(headers=served.headers | {"Content-Type": "application/json"},
+                      timeout=60) as http:
+        for body in (b'{"prompt": "hi \\ud800 there"}', b'{"prompt": "x", "stop": ["\\udfff"]}',
+                     b'{"messages": [{"role": "user", "content": "\\ud83d"}]}'):
+            path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+            error = _error(http.post(f"{served.url}{path}", content=body), 400)
+            assert "lone surrogate" in error["message"]
+        assert http.post(url, json={"prompt": "x", "priority": "high"}).status_code == 400
+
+
+def test_the_openapi_document_lists_the_errors_the_server_answers(served):
+    doc = httpx.get(f"{served.url}/openapi.json", headers=served.headers).json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert "422" not in responses  # FastAPI's default; the server answers 400
+        assert {"400", "401", "405", "413", "500", "503"} <= set(responses)
+    assert "503" in doc["paths"]["/health"]["get"]["responses"]
+    # What the document says is 400 is 400 (it said 422).
+    resp = httpx.post(f"{served.url}/v1/completions", headers=served.headers, json={"n": "x"})
+    assert resp.status_code == 400 and str(resp.status_code) in doc["paths"]["/v1/completions"][
+        "post"]["responses"]
+    assert httpx.put(f"{served.url}/v1/completions", headers=served.headers).status_code == 405

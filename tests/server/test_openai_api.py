@@ -108,7 +108,7 @@ def test_models_health_and_metrics(served, client):
     assert httpx.get(f"{served.url}/health").status_code == 200
 
     def scrape() -> dict[str, float]:
-        text = httpx.get(f"{served.url}/metrics").text
+        text = httpx.get(f"{served.url}/metrics", headers=served.headers).text
         return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                 if line.startswith("jaxserve:") and "_bucket" not in line}
 

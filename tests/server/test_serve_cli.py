@@ -24,3 +24,50 @@ def test_serve_rejects_a_bad_queue_bound_before_loading_anything():
     args = build_parser().parse_args(["serve", "/no/such/model", "--max-queued-requests", "0"])
     with pytest.raises(ValueError, match="max_queued_requests must be a positive integer"):
         cmd_serve(args)
+
+
+def test_the_server_exits_non_zero_once_the_engine_is_dead(engine_args, monkeypatch):
+    import asyncio
+    import socket
+    import threading
+
+    import httpx
+
+    from jaxserve import AsyncLLM, SamplingParams
+    from jaxserve.engine.async_llm import EngineDeadError
+    from jaxserve.entrypoints.openai.api_server import run_server
+    from server_helpers import wait_until
+
+    llm = AsyncLLM(**engine_args)
+    runner = llm.engine.core.executor.worker.runner
+
+    def collect(pending):  # noqa: ANN001, ANN202 (a device failure that loses the KV cache)
+        runner.k_cache.delete()
+        raise RuntimeError("device halted")
+
+    monkeypatch.setattr(runner, "collect", collect)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(run_server(
+        llm, ["m"], "127.0.0.1", port, log_level="warning")), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}/health"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(url).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(healthy)
+
+    async def generate() -> None:
+        async for _ in llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2)):
+            pass
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(generate())
+    thread.join(30)
+    assert codes == [1]

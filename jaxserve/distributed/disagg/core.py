@@ -69,12 +69,14 @@ class DisaggregatedEngineCore:
             _check_device_count(settings)
         m = config.model
         loaded = loaded or load_model(m.model, m.load_format, seed=m.seed)
-        self.decode = EngineCore(side_config(config, settings, "decode"), loaded)
+        try:  # EngineCore refuses a pool that cannot hold one sequence: say which side's
+            self.decode = EngineCore(side_config(config, settings, "decode"), loaded)
+        except ValueError as exc:
+            raise ValueError(f"disaggregation.decode: {exc}") from exc
         self.executor = self.decode.executor  # the local engine: tokenizer, model config
         self.model_config = self.decode.model_config
         self.max_model_len = self.decode.max_model_len
         self.block_size = config.cache.block_size
-        _check_decode_pool(self.decode, self.block_size)
         self.connector = self._make_connector(config, settings, loaded)
         self.root_hash = self.connector.root_hash
         self.prefilling: dict[str, Request] = {}
@@ -270,13 +272,3 @@ def _check_device_count(settings: dict) -> None:
                          f"{settings['prefill']['devices']}, decode "
                          f"{settings['decode']['devices']}), but only {jax.device_count()} "
                          "are present")
-
-
-def _check_decode_pool(decode: EngineCore, block_size: int) -> None:
-    """A parked request waits for decode room; one that could never fit would wait forever."""
-    needed = -(-decode.max_model_len // block_size)
-    for scheduler in decode.schedulers:
-        if scheduler.kv.num_blocks - 1 < needed:
-            raise ValueError(f"disaggregation.decode: num_kv_blocks {scheduler.kv.num_blocks} "
-                             f"cannot hold one max_model_len ({decode.max_model_len}) sequence "
-                             f"({needed} blocks besides the null block)")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import logging
 import threading
 import time
 from typing import Any
@@ -14,25 +16,33 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.entrypoints.openai.errors import APIError, install_error_handlers
+from jaxserve.entrypoints.openai.errors import (APIError, document_errors_as_answered,
+                                                error_responses, install_error_handlers)
+from jaxserve.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S,
+                                                RequestLimitsMiddleware, timed_h11)
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
-from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                                  CompletionRequest, CompletionResponse,
                                                   ModelCard, ModelList)
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_common import cancel_on_disconnect
 from jaxserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from jaxserve.entrypoints.serve_cli import API_KEY_ENV
+
+logger = logging.getLogger(__name__)
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every `/v1` route (a plain ASGI middleware, so that
-    streamed responses and client disconnects pass through untouched)."""
+    """`Authorization: Bearer <key>` on every route but `open_paths` (a plain ASGI middleware,
+    so that streamed responses and client disconnects pass through untouched)."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "missing or invalid API key (send 'Authorization: "
@@ -42,52 +52,78 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              ) -> FastAPI:
+def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None = None, *,
+              open_metrics: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
+    """With `api_key`, every route but /health needs it (/metrics too unless `open_metrics`)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
+            or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    if not read_timeout_s > 0:
+        raise ValueError(f"read_timeout_s must be > 0, got {read_timeout_s!r}")
     app = FastAPI(title="jaxserve", summary="OpenAI-compatible API over jaxserve")
     metrics = ServerMetrics(llm, served_model_names[0])
     completions = OpenAIServingCompletion(llm, served_model_names, metrics)
     chat = OpenAIServingChat(llm, served_model_names, metrics)
     install_error_handlers(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_body_bytes,
+                       read_timeout_s=read_timeout_s)
+    if api_key:  # added last: the outermost, so an unauthorised body is never read
+        open_paths = frozenset({"/health"} | ({"/metrics"} if open_metrics else set()))
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.state.llm, app.state.metrics = llm, metrics
 
-    @app.get("/health")
+    keyed = (401,) if api_key else ()
+    body_errors = error_responses(400, *keyed, 405, 408, 413, 500, 503)
+
+    @app.get("/health", response_class=Response, responses=error_responses(405, 503) | {
+        200: {"description": "The engine is running (empty body)", "content": {}}})
     async def health() -> Response:
         if not llm.is_running:
             raise APIError(503, "the engine loop has stopped", code="engine_dead")
         return Response(status_code=200)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(*keyed, 405))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, max_model_len=llm.max_model_len)
                                for name in served_model_names])
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=error_responses(
+        *(() if open_metrics else keyed), 405) | {200: {"description": "Prometheus metrics",
+                                                      "content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_class=Response,
+              responses=body_errors | _generation_reply(CompletionResponse))
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         return await cancel_on_disconnect(raw, completions.create(req))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_class=Response,
+              responses=body_errors | _generation_reply(ChatCompletionResponse))
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await cancel_on_disconnect(raw, chat.create(req))
 
+    document_errors_as_answered(app)
     return app
+
+
+def _generation_reply(model: type) -> dict[int | str, dict[str, Any]]:
+    """200: the response body as JSON, or (with stream) server-sent events of chunks."""
+    return {200: {"model": model, "description": "The completion, or its stream of events",
+                  "content": {"text/event-stream": {}}}}
 
 
 class BackgroundServer:
     """uvicorn serving `app` from a daemon thread (tests, benchmarks); port 0 picks a free one."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                                    log_level=log_level, lifespan="off"))
+                                                    log_level=log_level, lifespan="off",
+                                                    http=timed_h11(read_timeout_s)))
         self.thread = threading.Thread(target=self.server.run, name="jaxserve-http",
                                        daemon=True)
         self.host = host
@@ -113,10 +149,50 @@ class BackgroundServer:
 
 
 def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: int,
-               api_key: str | None = None, log_level: str = "info") -> None:
-    """Serve until interrupted (SIGINT/SIGTERM), then stop the engine."""
+               api_key: str | None = None, log_level: str = "info", *,
+               open_metrics: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> int:
+    """Serve until interrupted (SIGINT/SIGTERM: returns 0) or until the engine dies (returns 1,
+    so that a supervisor restarts the process rather than keep one that only answers 503).
+    `read_timeout_s` bounds how long a request's headers, and each chunk of its body, may
+    take to arrive."""
+    warn_if_exposed(host, api_key)
+    app = build_app(llm, served_model_names, api_key, open_metrics=open_metrics,
+                    max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+        http=timed_h11(read_timeout_s)))
+    watcher = threading.Thread(target=_exit_when_dead, args=(llm, server), daemon=True,
+                               name="jaxserve-engine-watch")
+    watcher.start()
     try:
-        uvicorn.run(build_app(llm, served_model_names, api_key), host=host, port=port,
-                    log_level=log_level, timeout_graceful_shutdown=5)
+        server.run()
+        died = not llm.is_running
     finally:
         llm.shutdown()
+    if died:
+        logger.error("the engine died; the server exits non-zero")
+    return 1 if died else 0
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> None:
+    if not api_key and not _is_loopback(host):
+        logger.warning("serving on %s without an API key: anyone who can reach it can use "
+                       "it (set %s or --api-key)", host, API_KEY_ENV)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _exit_when_dead(llm: AsyncLLM, server: uvicorn.Server, poll_s: float = 0.2) -> None:
+    while not server.should_exit:
+        if not llm.is_running:
+            server.should_exit = True
+            return
+        time.sleep(poll_s)

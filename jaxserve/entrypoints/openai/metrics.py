@@ -71,19 +71,24 @@ class ServerMetrics:
                                  ["model_name", "finished_reason"], registry=self.registry)
         self.model_name = model_name
 
-    def tracker(self) -> "RequestTracker":
-        return RequestTracker(self)
+    def tracker(self, n: int) -> "RequestTracker":
+        return RequestTracker(self, n)
+
+    def count_finished(self, reason: str, num_samples: int = 1) -> None:
+        self._finished.labels(self.model_name, reason).inc(num_samples)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class RequestTracker:
-    """Observes one request's stream of delta outputs (engine wall times, not HTTP times)."""
+    """Observes one request's stream of delta outputs (engine wall times, not HTTP times);
+    `close` counts the samples that never finished (the client went away) as aborted."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, n: int):
         self.metrics = metrics
         self.last_token_time: float | None = None
+        self.unfinished = n
 
     def observe(self, out: RequestOutput) -> None:
         m = out.metrics
@@ -98,5 +103,13 @@ class RequestTracker:
             if end is not None:
                 self.metrics.e2e.observe(max(0.0, end - m.arrival_time))
             for comp in out.outputs:
-                self.metrics._finished.labels(self.metrics.model_name,
-                                              comp.finish_reason or "unknown").inc()
+                self._count(comp.finish_reason or "unknown")
+
+    def close(self) -> None:
+        if self.unfinished > 0:
+            self.metrics.count_finished("abort", self.unfinished)
+            self.unfinished = 0
+
+    def _count(self, reason: str) -> None:
+        self.unfinished -= 1
+        self.metrics.count_finished(reason)

@@ -9,16 +9,39 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _check_text(value: Any, where: str) -> None:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"): no tokenizer or reply can encode it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{where or 'body'}: text holds a lone surrogate at position "
+                             f"{exc.start} (not valid Unicode)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, where)
+            _check_text(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{where}.{i}")
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions (extensions after the blank line)."""
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_text(data, "")
+        return data
 
     model: str | None = None
     n: int = 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,7 +34,7 @@ class OpenAIServingChat(OpenAIServing):
                            "top_logprobs")
         if top is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-        prompt_ids = self._render(req.messages, req.add_generation_prompt)
+        prompt_ids = await self._render(req.messages, req.add_generation_prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         params = self.sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
@@ -45,7 +46,8 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse((await self._collect(request_id, model, gens[0], params.n,
                                                  req)).model_dump())
 
-    def _render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def _render(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                      ) -> list[int]:
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
         if self.tokenizer is None:
@@ -60,8 +62,10 @@ class OpenAIServingChat(OpenAIServing):
                                    f"messages.{i}.content", "unsupported")
                 content = "".join(p.text or "" for p in content)
             conversation.append({"role": m.role, "content": content or ""})
+        self.check_chars("".join(m["content"] for m in conversation), "messages")
         try:
-            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, conversation,
+                                          add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
             raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
                 from None
@@ -82,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request_id: str, model: str, gen: AsyncIterator[RequestOutput],
                       n: int, req: ChatCompletionRequest) -> AsyncIterator[str]:
-        tracker = self.metrics.tracker()
+        tracker = self.metrics.tracker(n)
         prompt_tokens = completion_tokens = 0
         try:
             yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
@@ -110,27 +114,32 @@ class OpenAIServingChat(OpenAIServing):
                                               usage=usage(prompt_tokens, completion_tokens)))
         except Exception as exc:  # noqa: BLE001 (the status line has gone out already)
             yield stream_error(exc)
+        finally:
+            tracker.close()
         yield DONE
 
     async def _collect(self, request_id: str, model: str, gen: AsyncIterator[RequestOutput],
                        n: int, req: ChatCompletionRequest) -> ChatCompletionResponse:
-        tracker = self.metrics.tracker()
+        tracker = self.metrics.tracker(n)
         texts, token_ids = [""] * n, [[] for _ in range(n)]
         logprobs = [ChatLogprobs(content=[]) if req.logprobs else None for _ in range(n)]
         reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * n
         prompt_tokens = 0
-        async for _, out in merge([gen]):
-            tracker.observe(out)
-            prompt_tokens = len(out.prompt_token_ids)
-            for comp in out.outputs:
-                i = comp.index
-                texts[i] += comp.text
-                token_ids[i].extend(comp.token_ids)
-                if logprobs[i] is not None and comp.logprobs:
-                    logprobs[i].content.extend(
-                        self._logprobs(comp.token_ids, comp.logprobs).content)
-                if comp.finish_reason is not None:
-                    reasons[i] = (comp.finish_reason, comp.stop_reason)
+        try:
+            async for _, out in merge([gen]):
+                tracker.observe(out)
+                prompt_tokens = len(out.prompt_token_ids)
+                for comp in out.outputs:
+                    i = comp.index
+                    texts[i] += comp.text
+                    token_ids[i].extend(comp.token_ids)
+                    if logprobs[i] is not None and comp.logprobs:
+                        logprobs[i].content.extend(
+                            self._logprobs(comp.token_ids, comp.logprobs).content)
+                    if comp.finish_reason is not None:
+                        reasons[i] = (comp.finish_reason, comp.stop_reason)
+        finally:
+            tracker.close()
         return ChatCompletionResponse(
             id=request_id, model=model,
             choices=[ChatChoice(index=i, message=ChatMessageOut(content=texts[i]),

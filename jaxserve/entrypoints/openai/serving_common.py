@@ -56,6 +56,18 @@ class OpenAIServing:
                            f"{', '.join(repr(n) for n in self.model_names)}", "model",
                            "model_not_found")
 
+    def check_chars(self, text: str, param: str) -> None:
+        try:
+            self.llm.engine.input_processor.check_prompt_chars(text, param)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param, "context_length_exceeded") from None
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Tokenise on a worker thread: a long text takes seconds, which on the event loop
+        would stall every other request (and /health)."""
+        self.check_chars(text, param)
+        return await asyncio.to_thread(self.tokenizer.encode, text)
+
     def check_length(self, token_ids: list[int], param: str) -> None:
         if len(token_ids) >= self.max_model_len:
             raise APIError(400, f"{param}: the prompt has {len(token_ids)} tokens, but this "
@@ -86,7 +98,11 @@ class OpenAIServing:
         fails the whole request before any byte of the response is sent."""
         gens = [self.llm.generate(p, params, f"{request_id}-{i}", priority=req.priority,
                                   cache_salt=req.cache_salt) for i, p in enumerate(prompts)]
-        firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        try:
+            firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        except asyncio.CancelledError:  # the client went away before the first token
+            self.metrics.count_finished("abort", params.n * len(gens))
+            raise
         errors = [f for f in firsts if isinstance(f, BaseException)]
         if errors:
             await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)

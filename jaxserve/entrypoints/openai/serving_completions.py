@@ -40,7 +40,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)",
                            "echo", "unsupported")
-        prompts = self._prompts(req.prompt)
+        prompts = await self._prompts(req.prompt)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         gens = await self.start(request_id, prompts, params, req)
@@ -51,8 +51,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse((await self._collect(request_id, model, gens, params.n, echoes,
                                                  req)).model_dump())
 
-    def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
-                 ) -> list[dict[str, Any]]:
+    async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
+                       ) -> list[dict[str, Any]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             items: list[Any] = [prompt]
         else:
@@ -67,7 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if self.tokenizer is None:
                     raise APIError(400, "prompt: this model has no tokenizer; send token ids",
                                    "prompt")
-                ids = self.tokenizer.encode(item)
+                ids = await self.encode(item, "prompt")
                 prompts.append({"prompt": item, "prompt_token_ids": ids})
             else:
                 ids = list(item)
@@ -98,7 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       gens: list[AsyncIterator[RequestOutput]], n: int, echoes: list[str],
                       req: CompletionRequest) -> AsyncIterator[str]:
         want_logprobs = req.logprobs is not None
-        trackers = [self.metrics.tracker() for _ in gens]
+        trackers = [self.metrics.tracker(n) for _ in gens]
         pending_echo = {i * n + j: echoes[i] for i in range(len(gens)) for j in range(n)
                         if echoes[i]}
         offsets: dict[int, int] = {}
@@ -132,6 +132,9 @@ class OpenAIServingCompletion(OpenAIServing):
                                              usage=usage(prompt_tokens, completion_tokens)))
         except Exception as exc:  # noqa: BLE001 (the status line has gone out already)
             yield stream_error(exc)
+        finally:
+            for tracker in trackers:
+                tracker.close()
         yield DONE
 
     async def _collect(self, request_id: str, model: str,
@@ -139,23 +142,28 @@ class OpenAIServingCompletion(OpenAIServing):
                        req: CompletionRequest) -> CompletionResponse:
         choices = {i * n + j: _Choice(echoes[i], req.logprobs is not None)
                    for i in range(len(gens)) for j in range(n)}
-        trackers = [self.metrics.tracker() for _ in gens]
+        trackers = [self.metrics.tracker(n) for _ in gens]
         prompt_tokens = 0
-        async for i, out in merge(gens):
-            trackers[i].observe(out)
-            if out.finished:
-                prompt_tokens += len(out.prompt_token_ids)
-            for comp in out.outputs:
-                choice = choices[i * n + comp.index]
-                choice.text += comp.text
-                choice.token_ids.extend(comp.token_ids)
-                if choice.logprobs is not None and comp.logprobs:
-                    lp, choice.offset = self._logprobs(comp.token_ids, comp.logprobs,
-                                                       choice.offset)
-                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                        getattr(choice.logprobs, name).extend(getattr(lp, name))
-                if comp.finish_reason is not None:
-                    choice.finish_reason, choice.stop_reason = comp.finish_reason, comp.stop_reason
+        try:
+            async for i, out in merge(gens):
+                trackers[i].observe(out)
+                if out.finished:
+                    prompt_tokens += len(out.prompt_token_ids)
+                for comp in out.outputs:
+                    choice = choices[i * n + comp.index]
+                    choice.text += comp.text
+                    choice.token_ids.extend(comp.token_ids)
+                    if choice.logprobs is not None and comp.logprobs:
+                        lp, choice.offset = self._logprobs(comp.token_ids, comp.logprobs,
+                                                           choice.offset)
+                        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                            getattr(choice.logprobs, name).extend(getattr(lp, name))
+                    if comp.finish_reason is not None:
+                        choice.finish_reason, choice.stop_reason = (comp.finish_reason,
+                                                                    comp.stop_reason)
+        finally:
+            for tracker in trackers:
+                tracker.close()
         return CompletionResponse(
             id=request_id, model=model,
             choices=[CompletionChoice(index=k, text=c.text, logprobs=c.logprobs,

@@ -1,0 +1,104 @@
+"""What one request may cost: body size (413), prompt length before tokenising, read times,
+and tokenisation off the event loop."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import httpx
+import pytest
+
+from engine_helpers import assert_no_leaks
+from server_helpers import API_KEY, MODEL_NAME, wait_engine_idle
+
+
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    return resp.json()["error"]
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read(served):
+    url = f"{served.url}/v1/completions"
+    big = b'{"prompt": "' + b"x" * (11 * 2**20) + b'"}'
+    with httpx.Client(headers=served.headers, timeout=60) as http:
+        error = _error(http.post(url, content=big, headers={"Content-Type": "application/json"}),
+                       413)
+        assert error["code"] == "request_too_large"
+
+        def chunks():  # no Content-Length: counted as it arrives
+            for i in range(0, len(big), 2**20):
+                yield big[i:i + 2**20]
+
+        assert _error(http.post(url, content=chunks()), 413)["code"] == "request_too_large"
+        assert http.get(f"{served.url}/health").status_code == 200
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenising(served, monkeypatch):
+    tokenizer = served.llm.tokenizer
+    calls = []
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append(1) or [])
+    with httpx.Client(headers=served.headers, timeout=60) as http:
+        for path, body in (("completions", {"prompt": "robot " * 200_000}),
+                           ("chat/completions",
+                            {"messages": [{"role": "user", "content": "robot " * 200_000}]})):
+            error = _error(http.post(f"{served.url}/v1/{path}", json=body), 400)
+            assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
+    assert not calls
+
+
+def test_tokenising_does_not_block_the_event_loop(served, monkeypatch):
+    tokenizer = served.llm.tokenizer
+    encode, gate = tokenizer.encode, threading.Event()
+
+    def slow_encode(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        gate.wait(30)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    results: list[httpx.Response] = []
+    post = threading.Thread(target=lambda: results.append(httpx.post(
+        f"{served.url}/v1/completions", headers=served.headers, timeout=60,
+        json={"prompt": "Once", "max_tokens": 2, "temperature": 0})))
+    post.start()
+    try:
+        # While a prompt is being tokenised, the loop answers others (it hung here before).
+        assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+        assert not results
+    finally:
+        gate.set()
+        post.join(60)
+    assert results[0].status_code == 200
+    wait_engine_idle(served.llm)
+    served.llm.call_in_engine(assert_no_leaks).result()
+
+
+@pytest.fixture(scope="module")
+def impatient(served):
+    """A second server on the same engine that waits 0.5 s for a request's bytes."""
+    from jaxserve.entrypoints.openai.api_server import BackgroundServer, build_app
+
+    server = BackgroundServer(build_app(served.llm, [MODEL_NAME], API_KEY, read_timeout_s=0.5),
+                              read_timeout_s=0.5).start()
+    yield server
+    server.stop()
+
+
+def _raw(server, data: bytes) -> bytes:
+    with socket.create_connection((server.host, server.port), timeout=20) as sock:
+        sock.sendall(data)
+        reply = b""
+        while chunk := sock.recv(65536):  # until the server closes the connection
+            reply += chunk
+        return reply
+
+
+def test_slow_headers_are_cut_off(impatient):
+    assert _raw(impatient, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") == b""
+
+
+def test_a_slow_body_gets_408(impatient):
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n")
+    reply = _raw(impatient, head + b'{"prompt":')
+    assert reply.startswith(b"HTTP/1.1 408")
