@@ -30,7 +30,8 @@ import sys, time
 from jaxserve import LLM, SamplingParams
 llm = LLM(sys.argv[1], precompile=True, strict_compile=True, compilation_cache_dir="",
           compiled_dir=sys.argv[2] or None)
-out = llm.generate("Once upon a time", SamplingParams(max_tokens=1), use_tqdm=False)[0]
+out = llm.generate({"prompt_token_ids": [3, 4, 5, 6]}, SamplingParams(max_tokens=1),
+                   use_tqdm=False)[0]
 print("FIRST_TOKEN", out.outputs[0].token_ids, llm.stats().num_compilations, flush=True)
 """
 
