@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from jaxserve.core.step_timing import StepTimings
 from jaxserve.distributed.dp_router import DPRouter
 from jaxserve.executor.executor import Executor
 from jaxserve.executor.model_runner import PendingStep
@@ -47,6 +48,8 @@ class EngineStats:
     num_steps: int
     num_compilations: int
     warm_up_seconds: float
+    # Wall seconds per step phase since start, summed over ranks (see core/step_timing.py).
+    step_seconds: dict[str, float]
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -73,6 +76,7 @@ class EngineCore:
             for w in self.executor.workers]
         self.router = DPRouter(self.schedulers)
         self.num_steps = 0
+        self.timings = StepTimings()  # schedule and update; the runners time their phases
         self._in_flight: tuple[list[SchedulerOutput], list[PendingStep | None]] | None = None
         warm = config.runner.precompile or config.runner.compiled_dir is not None
         self.warm_up_seconds = self.executor.warm_up() if warm else 0.0
@@ -106,7 +110,8 @@ class EngineCore:
         if self._in_flight is not None and self._needs_host_history():
             outputs += self._finish(*self._in_flight)
             self._in_flight = None
-        scheds = [s.schedule() for s in self.schedulers]
+        with self.timings.phase("schedule"):
+            scheds = [s.schedule() for s in self.schedulers]
         previous, self._in_flight = self._in_flight, None
         try:
             self._in_flight = (scheds, self.executor.dispatch(scheds))
@@ -143,11 +148,12 @@ class EngineCore:
             results = self.executor.collect(pending)
         except Exception as exc:  # noqa: BLE001 (fails this step's requests, or re-raised)
             return self._fail_step(scheds, exc)
-        for scheduler, sched, result in zip(self.schedulers, scheds, results):
-            for out in scheduler.update_from_output(sched, result):
-                if out.finish_reason is not None:
-                    self.router.forget(out.request_id)
-                outputs.append(out)
+        with self.timings.phase("update"):
+            for scheduler, sched, result in zip(self.schedulers, scheds, results):
+                for out in scheduler.update_from_output(sched, result):
+                    if out.finish_reason is not None:
+                        self.router.forget(out.request_id)
+                    outputs.append(out)
         return outputs
 
     def _needs_host_history(self) -> bool:
@@ -167,7 +173,9 @@ class EngineCore:
             num_preemptions=sum(s.num_preemptions for s in per_rank),
             num_steps=self.num_steps,
             num_compilations=sum(w.runner.num_compilations for w in self.executor.workers),
-            warm_up_seconds=self.warm_up_seconds)
+            warm_up_seconds=self.warm_up_seconds,
+            step_seconds=self.timings.merged(
+                *(w.runner.timings for w in self.executor.workers)).seconds)
 
 
 def check_pool_holds_a_sequence(num_blocks: int, max_model_len: int, block_size: int) -> None:

@@ -57,7 +57,9 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     def step(self, delta: bool = False) -> list[RequestOutput]:
-        outputs, stopped = self.output_processor.process_outputs(self.core.step(), delta)
+        core_outputs = self.core.step()
+        with self.core.timings.phase("output"):
+            outputs, stopped = self.output_processor.process_outputs(core_outputs, delta)
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs

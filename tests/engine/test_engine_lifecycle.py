@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine_helpers import SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prompts
@@ -137,3 +139,15 @@ def test_request_metrics_and_engine_stats(llm):
         assert len(m.token_times) == 12
     stats = llm.stats()
     assert stats.num_steps > 0 and stats.num_compilations > 0 and stats.kv_cache_usage == 0.0
+
+
+def test_every_step_phase_is_timed_from_inside(llm):
+    before = dict(llm.stats().step_seconds)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in random_prompts(4, 5, 40, seed=27)], GREEDY,
+                 use_tqdm=False)
+    wall = time.perf_counter() - start
+    spent = {k: v - before[k] for k, v in llm.stats().step_seconds.items()}
+    assert set(spent) == {"schedule", "prep", "dispatch", "device", "update", "output"}
+    assert all(v > 0 for v in spent.values()), spent
+    assert sum(spent.values()) <= wall  # phases do not overlap on the host

@@ -88,6 +88,7 @@ class DisaggregatedEngineCore:
         self.num_transfers = self.transfer_bytes = 0
         self.transfer_seconds = 0.0
         self.num_steps = 0
+        self.timings = self.decode.timings  # output processing is timed with the decode side
         self.warm_up_seconds = self.decode.warm_up_seconds
         if config.runner.precompile:
             start = time.perf_counter()
@@ -255,7 +256,9 @@ class DisaggregatedEngineCore:
             prefix_cache_queries=p.prefix_cache_queries, prefix_cache_hits=p.prefix_cache_hits,
             num_preemptions=p.num_preemptions + d.num_preemptions, num_steps=self.num_steps,
             num_compilations=p.num_compilations + d.num_compilations,
-            warm_up_seconds=self.warm_up_seconds, prefill=p, decode=d,
+            warm_up_seconds=self.warm_up_seconds,
+            step_seconds={k: p.step_seconds[k] + v for k, v in d.step_seconds.items()},
+            prefill=p, decode=d,
             num_prefilling=len(self.prefilling), num_parked=len(self.parked),
             num_transferring=len(self.transferring), num_transfers=self.num_transfers,
             transfer_bytes=self.transfer_bytes, transfer_seconds=self.transfer_seconds,
