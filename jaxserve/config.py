@@ -10,7 +10,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from jaxserve.models.default_model import default_model_path
+from jaxserve.default_model import default_model_path
+from jaxserve.disaggregation_config import normalize_disaggregation
 
 
 @dataclass
@@ -156,8 +157,6 @@ class EngineConfig:
             raise ValueError(f"devices must be a non-empty list of distinct device indices "
                              f"(integers >= 0), got {p.devices!r}")
         if p.disaggregation is not None:
-            from jaxserve.distributed.disagg.settings import normalize_disaggregation
-
             p.disaggregation = normalize_disaggregation(p.disaggregation, self)
         for name in ("token_buckets", "request_buckets"):
             buckets = getattr(r, name)

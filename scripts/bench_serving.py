@@ -127,7 +127,7 @@ def default_model() -> str:
     if STORIES.exists():
         return str(STORIES)
     try:  # the packaged tiny model, where this install has one
-        from jaxserve.models.default_model import default_model_path
+        from jaxserve.default_model import default_model_path
         return default_model_path()
     except Exception:  # noqa: BLE001
         return "dummy"

@@ -408,7 +408,7 @@ Next-token loss in nats over non-overlapping windows of {args.seq_len} tokens:
 ## Generating
 ```python
 from jaxserve import LLM, SamplingParams
-from jaxserve.models.default_model import default_model_path
+from jaxserve.default_model import default_model_path
 
 llm = LLM(default_model_path())
 params = SamplingParams(temperature=0.0, max_tokens={args.sample_tokens}, repetition_penalty=1.3)

@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.layers.attention import AttentionMetadata, get_attention_backend
-from jaxserve.models.default_model import DEFAULT_MODEL_DIR, default_model_path
+from jaxserve.default_model import DEFAULT_MODEL_DIR, default_model_path
 from jaxserve.models.llama import Llama, init_kv_cache
 from jaxserve.models.loader import load_model
 
@@ -122,7 +122,7 @@ def test_card_matches_the_shipped_files(loaded):
 
 
 def test_default_model_path_names_the_directory_when_files_are_missing(monkeypatch, tmp_path):
-    from jaxserve.models import default_model
+    from jaxserve import default_model
 
     assert Path(default_model_path()) == DEFAULT_MODEL_DIR
     monkeypatch.setattr(default_model, "DEFAULT_MODEL_DIR", tmp_path)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from jaxserve.core.block_hash import BlockHash, make_root_hash
 from jaxserve.core.block_pool import BlockPool, KVCacheBlock
-from jaxserve.request import Request
+from jaxserve.core.request import Request
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput,
                                             ModelRunnerOutput, NewRequestData, SchedulerOutput)
-from jaxserve.request import Request, RequestStatus
+from jaxserve.core.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

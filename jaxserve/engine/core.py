@@ -23,11 +23,11 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from jaxserve.core.step_timing import StepTimings
-from jaxserve.distributed.dp_router import DPRouter
+from jaxserve.engine.dp_router import DPRouter
 from jaxserve.executor.executor import Executor
 from jaxserve.executor.model_runner import PendingStep
-from jaxserve.models.loader import LoadedModel
-from jaxserve.request import Request, RequestStatus
+from jaxserve.models.loaded_model import LoadedModel
+from jaxserve.core.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.tokenizer import Tokenizer
-from jaxserve.request import Request
+from jaxserve.core.request import Request
 from jaxserve.sampling_params import SamplingParams, request_seed
 
 PromptType = Union[str, dict[str, Any], list[int]]

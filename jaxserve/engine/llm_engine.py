@@ -8,9 +8,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore, EngineStats
 from jaxserve.engine.input_processor import InputProcessor, PromptType
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.models.loader import LoadedModel
+from jaxserve.models.loaded_model import LoadedModel
 from jaxserve.outputs import RequestOutput
-from jaxserve.request import RequestStatus
+from jaxserve.core.request import RequestStatus
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -72,7 +72,7 @@ def make_engine_core(config: EngineConfig, loaded: LoadedModel | None = None) ->
     """The unified EngineCore, or the disaggregated one when `disaggregation` is configured
     (same interface: add_request, abort_requests, step, has_unfinished_requests, stats)."""
     if config.parallel.disaggregation is not None:
-        from jaxserve.distributed.disagg.core import DisaggregatedEngineCore
+        from jaxserve.engine.disagg.core import DisaggregatedEngineCore
 
         return DisaggregatedEngineCore(config, loaded)  # type: ignore[return-value]
     return EngineCore(config, loaded)

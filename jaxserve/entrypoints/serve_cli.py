@@ -6,8 +6,7 @@ import argparse
 import os
 
 from jaxserve.entrypoints.cli_args import add_engine_args, engine_kwargs
-
-API_KEY_ENV = "JAXSERVE_API_KEY"
+from jaxserve.entrypoints.openai import API_KEY_ENV
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

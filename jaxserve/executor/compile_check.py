@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import EngineConfig
-from jaxserve.distributed.sharding import (AXIS, padded_vocab_size,
+from jaxserve.executor.sharding import (AXIS, padded_vocab_size,
                                            param_sharding, validate_tensor_parallel)
 from jaxserve.executor.model_runner import bucket_pairs, dtype_of, step_buckets
 from jaxserve.executor.step_program import (StepProgram, kv_blocks_for, largest_step_temp_bytes,

@@ -9,10 +9,11 @@ import jax
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from jaxserve.distributed.mesh import initialize_distributed, rank_meshes
+from jaxserve.executor.mesh import initialize_distributed, rank_meshes
 from jaxserve.executor.model_runner import PendingStep
 from jaxserve.executor.worker import Worker, restores_sharded
-from jaxserve.models.loader import LoadedModel, load_model
+from jaxserve.models.loaded_model import LoadedModel
+from jaxserve.models.loader import load_model
 
 
 class Executor:

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig, power_of_two_buckets
 from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.step_timing import StepTimings
-from jaxserve.distributed.mesh import replicate, to_host
+from jaxserve.executor.mesh import replicate, to_host
 from jaxserve.executor.input_batch import InputBatch, StepArrays
 from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_blocks,
                                          padded_block_ids, scatter_blocks)

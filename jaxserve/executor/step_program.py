@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.config import EngineConfig
-from jaxserve.distributed.sharding import kv_cache_sharding
+from jaxserve.executor.sharding import kv_cache_sharding
 from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.model_runner import (StepStatics, _sample, _step, bucket_pairs,
                                             step_buckets, step_inputs)

@@ -17,8 +17,8 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from jaxserve.distributed.mesh import place, rank_meshes
-from jaxserve.distributed.sharding import (AXIS, expand_kv_heads, kv_cache_sharding, pad_vocab,
+from jaxserve.executor.mesh import place, rank_meshes
+from jaxserve.executor.sharding import (AXIS, expand_kv_heads, kv_cache_sharding, pad_vocab,
                                            param_sharding, validate_tensor_parallel)
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compiled_dir import KV_INIT
@@ -28,7 +28,8 @@ from jaxserve.layers.attention import AttentionBackend, get_attention_backend, v
 from jaxserve.models.checkpoint_io import load_converted, read_converted_config
 from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
 from jaxserve.models.llama_config import param_shapes
-from jaxserve.models.loader import CONVERTED_CONFIG_FILE, LoadedModel, load_model
+from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
+from jaxserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.models.llama_config import LlamaConfig, check_params
-from jaxserve.models.loader import CONVERTED_CONFIG_FILE, LoadedModel, read_json
+from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel, read_json
 from jaxserve.models.sentencepiece_tokenizer import SentencePieceTokenizer
 from jaxserve.models.tokenizer import HF_TOKENIZER_FILES, HFTokenizer, Tokenizer, load_hf_tokenizer
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxserve.models.llama2c_loader import interleaved_to_half_split
 from jaxserve.models.llama_config import LlamaConfig, check_params, param_shapes
-from jaxserve.models.loader import LoadedModel
+from jaxserve.models.loaded_model import LoadedModel
 from jaxserve.models.sentencepiece_tokenizer import SentencePieceTokenizer
 
 # GGUF general.architecture -> (HF architecture, q/k stored in interleaved RoPE order).

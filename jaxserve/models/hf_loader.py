@@ -10,7 +10,7 @@ import ml_dtypes  # noqa: F401  registers numpy's "bfloat16", which safetensors 
 import numpy as np
 
 from jaxserve.models.llama_config import LlamaConfig, check_params, param_shapes
-from jaxserve.models.loader import LoadedModel, read_json
+from jaxserve.models.loaded_model import LoadedModel, read_json
 from jaxserve.models.tokenizer import load_hf_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.models.llama_config import LlamaConfig, check_params
-from jaxserve.models.loader import LoadedModel
+from jaxserve.models.loaded_model import LoadedModel
 from jaxserve.models.sentencepiece_tokenizer import SentencePieceTokenizer
 
 _HEADER = struct.Struct("<7i")

@@ -3,26 +3,20 @@ params (see `llama_config.param_shapes`) and the tokenizer."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from jaxserve.models.checkpoint_io import load_converted
+from jaxserve.models.gguf_loader import load_gguf
+from jaxserve.models.hf_loader import load_hf, read_hf_config
+from jaxserve.models.llama2c_loader import load_llama2c
 from jaxserve.models.llama_config import LlamaConfig, check_params, param_shapes
-from jaxserve.models.tokenizer import Tokenizer, load_hf_tokenizer
+from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
+from jaxserve.models.tokenizer import load_hf_tokenizer
 
 LOAD_FORMATS = ("auto", "hf", "gguf", "llama2c", "orbax", "dummy")
-# Written by `checkpoint_io.save_converted`; its presence marks a converted (orbax) checkpoint.
-CONVERTED_CONFIG_FILE = "jaxserve_config.json"
 _NORMS = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
-
-
-@dataclass(slots=True)
-class LoadedModel:
-    config: LlamaConfig
-    params: dict[str, np.ndarray]
-    tokenizer: Tokenizer | None
 
 
 def detect_format(path: Path) -> str:
@@ -61,8 +55,6 @@ def _load_dummy(path: Path | None, config: LlamaConfig | None, seed: int) -> Loa
         config_file = path / "config.json" if path.is_dir() else path
         if not config_file.is_file():
             raise ValueError(f"load_format 'dummy': no config.json at {path}")
-        from jaxserve.models.hf_loader import read_hf_config
-
         config = read_hf_config(config_file.parent)
     if path is not None and path.is_dir():
         tokenizer = load_hf_tokenizer(path, bos_token_id=config.bos_token_id,
@@ -86,25 +78,6 @@ def load_model(path: str | Path | None, load_format: str = "auto", *,
     if not p.exists():
         raise ValueError(f"model path {str(p)!r} does not exist")
     fmt = detect_format(p) if load_format == "auto" else load_format
-    if fmt == "hf":
-        from jaxserve.models.hf_loader import load_hf
-
-        return load_hf(p)
-    if fmt == "gguf":
-        from jaxserve.models.gguf_loader import load_gguf
-
-        return load_gguf(p)
-    if fmt == "llama2c":
-        from jaxserve.models.llama2c_loader import load_llama2c
-
-        return load_llama2c(p)
-    from jaxserve.models.checkpoint_io import load_converted
-
-    return load_converted(p)
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read JSON: {e}") from e
+    loaders = {"hf": load_hf, "gguf": load_gguf, "llama2c": load_llama2c,
+               "orbax": load_converted}
+    return loaders[fmt](p)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from jaxserve.request import Request, RequestStatus
+from jaxserve.core.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 
 BS = 4

@@ -1,7 +1,7 @@
 import pytest
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.request import Request, RequestStatus
+from jaxserve.core.request import Request, RequestStatus
 
 BS = 4
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.request import Request, RequestStatus
+from jaxserve.core.request import Request, RequestStatus
 
 NUM_BLOCKS = 16
 BS = 4

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from sched_helpers import FIRST_SAMPLED, Harness, StepRecord
 
-from jaxserve.request import RequestStatus
+from jaxserve.core.request import RequestStatus
 
 THRESHOLD = 16
 LONG_LEN = 48  # three chunks of THRESHOLD

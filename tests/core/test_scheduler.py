@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sched_helpers import BS, EOS, Harness, expected_outputs
 
-from jaxserve.request import RequestStatus
+from jaxserve.core.request import RequestStatus
 
 
 # ---- one token budget ------------------------------------------------------------------------

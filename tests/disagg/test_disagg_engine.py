@@ -13,7 +13,7 @@ from disagg_helpers import (ENGINE, GREEDY, SPLIT, assert_no_disagg_leaks, drain
                             tokens, workload)
 from jaxserve import LLM, LLMEngine, SamplingParams
 from jaxserve.config import EngineConfig
-from jaxserve.distributed.disagg.core import DisaggEngineStats, DisaggregatedEngineCore
+from jaxserve.engine.disagg.core import DisaggEngineStats, DisaggregatedEngineCore
 from jaxserve.engine.async_llm import AsyncLLM
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (forced) CPU devices")

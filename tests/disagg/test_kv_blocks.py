@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxserve.distributed.sharding import kv_cache_sharding
+from jaxserve.executor.sharding import kv_cache_sharding
 from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, layout_heads,
                                          pad_blocks, padded_block_ids, scatter_blocks,
                                          transfer_heads)

@@ -10,8 +10,8 @@ from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import ModelRunnerOutput
-from jaxserve.distributed.disagg.settings import side_config
-from jaxserve.request import Request
+from jaxserve.disaggregation_config import side_config
+from jaxserve.core.request import Request
 from jaxserve.sampling_params import SamplingParams
 
 def _config(**kwargs: object) -> EngineConfig:

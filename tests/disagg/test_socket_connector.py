@@ -13,7 +13,7 @@ from disagg_helpers import (ENGINE, GREEDY, SPLIT, assert_no_disagg_leaks, drain
                             tokens, workload)
 from jaxserve import LLMEngine
 from jaxserve.config import EngineConfig
-from jaxserve.distributed.disagg.socket_connector import PrefillProcessError, SocketConnector
+from jaxserve.engine.disagg.socket_connector import PrefillProcessError, SocketConnector
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (forced) CPU devices")
 TIMEOUT_S = 300

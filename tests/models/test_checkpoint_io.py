@@ -10,7 +10,8 @@ import pytest
 
 from hf_checkpoints import Factory
 from jaxserve.models.checkpoint_io import load_converted, save_converted
-from jaxserve.models.loader import LoadedModel, detect_format, load_model
+from jaxserve.models.loaded_model import LoadedModel
+from jaxserve.models.loader import detect_format, load_model
 
 MESSAGES = [{"role": "user", "content": "Hello robot"}]
 

@@ -11,7 +11,8 @@ import pytest
 
 from hf_checkpoints import Factory
 from jaxserve.models.llama_config import LlamaConfig
-from jaxserve.models.loader import LoadedModel, load_model
+from jaxserve.models.loaded_model import LoadedModel
+from jaxserve.models.loader import load_model
 
 Q = gguf.GGMLQuantizationType
 LAYER_NAMES = {

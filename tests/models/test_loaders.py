@@ -15,7 +15,8 @@ from safetensors.numpy import load_file, save_file
 from hf_checkpoints import Factory
 from jaxserve.models.llama2c_loader import interleaved_to_half_split
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
-from jaxserve.models.loader import LoadedModel, detect_format, load_model
+from jaxserve.models.loaded_model import LoadedModel
+from jaxserve.models.loader import detect_format, load_model
 
 # Independent statement of HF's names: canonical name -> (HF name, is a torch Linear weight).
 HF_NAMES = {

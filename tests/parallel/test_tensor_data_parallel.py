@@ -87,7 +87,7 @@ def test_bad_parallel_configurations_fail_at_start_up(hf_checkpoint, kwargs, mes
 
 
 def test_tp_neither_dividing_nor_a_multiple_of_the_kv_heads_is_rejected():
-    from jaxserve.distributed.sharding import validate_tensor_parallel
+    from jaxserve.executor.sharding import validate_tensor_parallel
     from jaxserve.models.llama_config import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=64, num_layers=1,

@@ -24,10 +24,10 @@ from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                   CompletionRequest, CompletionResponse,
                                                   ModelCard, ModelList)
+from jaxserve.entrypoints.openai import API_KEY_ENV
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_common import cancel_on_disconnect
 from jaxserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
-from jaxserve.entrypoints.serve_cli import API_KEY_ENV
 
 logger = logging.getLogger(__name__)
 

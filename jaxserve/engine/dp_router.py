@@ -4,7 +4,7 @@ else to the least loaded one, and stays there (n > 1 samples travel together).""
 from __future__ import annotations
 
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.request import Request
+from jaxserve.core.request import Request
 
 
 def rank_load(scheduler: Scheduler) -> int:

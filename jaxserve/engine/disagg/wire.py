@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.request import Request
+from jaxserve.core.request import Request
 
 AUTHKEY_ENV = "JAXSERVE_DISAGG_AUTHKEY"
 

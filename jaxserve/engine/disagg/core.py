@@ -19,11 +19,12 @@ import jax
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import EngineCoreOutput
-from jaxserve.distributed.disagg.connector import InProcessConnector, KVConnector, TransferredKV
-from jaxserve.distributed.disagg.settings import side_config
+from jaxserve.engine.disagg.connector import InProcessConnector, KVConnector, TransferredKV
+from jaxserve.disaggregation_config import side_config
 from jaxserve.engine.core import EngineCore, EngineStats
-from jaxserve.models.loader import LoadedModel, load_model
-from jaxserve.request import Request, RequestStatus
+from jaxserve.models.loaded_model import LoadedModel
+from jaxserve.models.loader import load_model
+from jaxserve.core.request import Request, RequestStatus
 
 MAX_TIMING_SAMPLES = 10_000
 
@@ -103,7 +104,7 @@ class DisaggregatedEngineCore:
         if settings["connector"] == "inprocess":
             return InProcessConnector(prefill_config, loaded, self.decode,
                                       settings["max_pending_transfers"])
-        from jaxserve.distributed.disagg.socket_connector import SocketConnector
+        from jaxserve.engine.disagg.socket_connector import SocketConnector
 
         return SocketConnector(prefill_config, settings, loaded, self.decode)
 

@@ -22,13 +22,13 @@ from typing import Any
 import jax
 
 from jaxserve.config import EngineConfig
-from jaxserve.distributed.disagg.connector import (KVConnector, PrefillEvents, TransferredKV,
+from jaxserve.engine.disagg.connector import (KVConnector, PrefillEvents, TransferredKV,
                                                    kv_nbytes)
-from jaxserve.distributed.disagg.wire import AUTHKEY_ENV, recv_kv, request_fields
+from jaxserve.engine.disagg.wire import AUTHKEY_ENV, recv_kv, request_fields
 from jaxserve.engine.core import EngineCore, EngineStats
 from jaxserve.executor.kv_blocks import transfer_heads
-from jaxserve.models.loader import LoadedModel
-from jaxserve.request import Request, RequestStatus
+from jaxserve.models.loaded_model import LoadedModel
+from jaxserve.core.request import Request, RequestStatus
 
 _IDLE_WAIT_S = 0.02  # how long an idle decode side waits for the prefill process per step
 
@@ -51,7 +51,7 @@ class SocketConnector(KVConnector):
         host, port = self.listener.address
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "jaxserve.distributed.disagg.prefill_server",
+                [sys.executable, "-m", "jaxserve.engine.disagg.prefill_server",
                  f"{host}:{port}"], env=_child_env(settings["prefill"], authkey),
                 stdout=log, stderr=subprocess.STDOUT)
         self._finalizer = weakref.finalize(self, _shut_down, self.process, self.listener)

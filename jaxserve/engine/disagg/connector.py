@@ -17,11 +17,11 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import EngineCoreOutput
-from jaxserve.distributed.disagg.prefill import PendingPrefill, PrefillSide
+from jaxserve.engine.disagg.prefill import PendingPrefill, PrefillSide
 from jaxserve.engine.core import EngineCore, EngineStats
 from jaxserve.executor.kv_blocks import transfer_heads
-from jaxserve.models.loader import LoadedModel
-from jaxserve.request import Request, RequestStatus
+from jaxserve.models.loaded_model import LoadedModel
+from jaxserve.core.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DEFAULT_MODEL_DIR: Path = Path(__file__).resolve().parent.parent / "assets" / "default_model"
+DEFAULT_MODEL_DIR: Path = Path(__file__).resolve().parent / "assets" / "default_model"
 
 
 def default_model_path() -> str:

@@ -15,7 +15,7 @@ import jax
 from jaxserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from jaxserve.engine.core import EngineCore, EngineStats
 from jaxserve.executor.model_runner import PendingStep
-from jaxserve.request import Request, RequestStatus
+from jaxserve.core.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""The prefill process of the socket connector: `python -m jaxserve.distributed.disagg.
+"""The prefill process of the socket connector: `python -m jaxserve.engine.disagg.
 prefill_server HOST:PORT`, started by the decode process, which listens there. The key comes in
 the environment (JAXSERVE_DISAGG_AUTHKEY, hex); the engine arguments in the first message.
 
@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.distributed.disagg.prefill import PrefillSide
-from jaxserve.distributed.disagg.wire import AUTHKEY_ENV, send_kv
+from jaxserve.engine.disagg.prefill import PrefillSide
+from jaxserve.engine.disagg.wire import AUTHKEY_ENV, send_kv
 from jaxserve.engine.core import EngineCore
-from jaxserve.request import Request, RequestStatus
+from jaxserve.core.request import Request, RequestStatus
 
 _IDLE_POLL_S = 0.05
 

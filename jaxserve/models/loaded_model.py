@@ -1,0 +1,29 @@
+"""What every weight loader returns, and the small helpers they share."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.models.llama_config import LlamaConfig
+from jaxserve.models.tokenizer import Tokenizer
+
+# Written by `checkpoint_io.save_converted`; its presence marks a converted (orbax) checkpoint.
+CONVERTED_CONFIG_FILE = "jaxserve_config.json"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    config: LlamaConfig
+    params: dict[str, np.ndarray]
+    tokenizer: Tokenizer | None
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read JSON: {e}") from e
