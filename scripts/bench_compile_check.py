@@ -37,7 +37,8 @@ def run_preset(name: str, num_layers: int | None) -> tuple[dict | None, float, s
     platform = "tpu" if name.startswith("tpu") else "gpu"
     python = REPO_ROOT / f".venv-{platform}" / "bin" / "python"
     if not python.exists():
-        return None, 0.0, f"{python.parent.parent.name} absent (scripts/setup_{platform}_venv.sh)"
+        return None, 0.0, (f"{python.parent.parent.name} absent "
+                           f"(scripts/setup_compile_venvs.sh {platform})")
     if platform == "gpu" and not Path(TARGETS[name]).exists():
         return None, 0.0, f"{TARGETS[name]} absent"
     out = RESULTS_DIR / "compile_check" / f"{name}.json"

@@ -1,4 +1,5 @@
-"""Deviceless TPU compile of the ragged paged-attention kernel (libtpu: scripts/setup_tpu_venv.sh).
+"""Deviceless TPU compile of the ragged paged-attention kernel (libtpu: .venv-tpu, made by
+scripts/setup_compile_venvs.sh tpu).
 
 Runs the real XLA:TPU + Mosaic compiler on the CPU host against compile-only TPU topologies, for the
 full mixed prefill/decode call in float32 and bfloat16, and checks that a deliberately misaligned

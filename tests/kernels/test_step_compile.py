@@ -1,8 +1,8 @@
 """The engine's real step at Llama-3-8B width, compiled deviceless by the target's own compiler
-(`jaxserve compile-check`): libtpu in .venv-tpu (scripts/setup_tpu_venv.sh), the CUDA
-compile-only plugin in .venv-gpu (scripts/setup_gpu_venv.sh). Every TPU/GPU preset compiles for
-its own target at its own settings, with the KV pool sized from the device's HBM, no copy of the
-KV cache, and temporaries under 5% of HBM; a write that copies the cache fails the gate.
+(`jaxserve compile-check`): libtpu in .venv-tpu, the CUDA compile-only plugin in .venv-gpu (both
+made by scripts/setup_compile_venvs.sh). Every TPU/GPU preset compiles for its own target at its
+own settings, with the KV pool sized from the device's HBM, no copy of the KV cache, and
+temporaries under 5% of HBM; a write that copies the cache fails the gate.
 
 v5e runs all 32 layers; the other targets 4 layers, which is enough to catch per-layer copies.
 Only the smallest and the largest buckets compile here (each 32-layer compile takes ~30 s on
@@ -35,7 +35,8 @@ PRESETS = {
 def compile_check(platform: str, tmp_path: Path, *args: str) -> tuple[int, dict, str]:
     python = VENVS[platform]
     if not python.exists():
-        pytest.skip(f"{python.parent.parent.name} absent: run scripts/setup_{platform}_venv.sh")
+        pytest.skip(f"{python.parent.parent.name} absent: run "
+                    f"scripts/setup_compile_venvs.sh {platform}")
     out = tmp_path / "report.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
                ALLOW_MULTIPLE_LIBTPU_LOAD="1")

@@ -1,5 +1,5 @@
 """Deviceless TPU compile (real Mosaic + XLA:TPU via libtpu) of the TPU kernel, run in the separate
-.venv-tpu (scripts/setup_tpu_venv.sh) because libtpu adds ~700 MB."""
+.venv-tpu (scripts/setup_compile_venvs.sh tpu) because libtpu adds ~700 MB."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ BAD = ("misaligned-query-tile", "oversized-kv-tile", "block-table-over-smem")
 
 @pytest.mark.slow
 @pytest.mark.skipif(not TPU_PYTHON.exists(),
-                    reason=".venv-tpu absent: run scripts/setup_tpu_venv.sh for the libtpu check")
+                    reason=".venv-tpu absent: run scripts/setup_compile_venvs.sh tpu")
 def test_tpu_kernel_compiles_for_v5e_and_v6e_and_bad_tiles_do_not() -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     proc = subprocess.run([str(TPU_PYTHON), str(REPO / "scripts" / "check_tpu_compile.py"),
