@@ -12,6 +12,7 @@ before scheduling N+1.
 A step that raises while it is prepared, launched or read back fails the requests it carried
 (finish reason "error", blocks freed) and the engine goes on, unless the device state is lost
 (the KV cache or the last sampled ids can no longer be read): then `DeviceStateLostError`.
+A compilation that strict_compile forbids is raised as it is.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import logging
 from dataclasses import dataclass
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.engine.dp_router import DPRouter
 from jaxserve.executor.executor import Executor
-from jaxserve.executor.model_runner import PendingStep
+from jaxserve.executor.model_runner import PendingStep, UnexpectedCompilationError
 from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.core.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ class EngineCore:
 
     def _fail_step(self, scheds: list[SchedulerOutput], exc: Exception,
                    ) -> list[EngineCoreOutput]:
+        if isinstance(exc, UnexpectedCompilationError):
+            raise exc  # strict_compile asked for it: the deployment, not a request, is at fault
         if self.executor.device_state_lost():
             raise DeviceStateLostError(f"a step failed and the device state is lost: "
                                        f"{type(exc).__name__}: {exc}") from exc
