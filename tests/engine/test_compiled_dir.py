@@ -70,13 +70,23 @@ def test_a_dir_built_for_other_buckets_is_refused_naming_the_field(built, tmp_pa
     assert llm.generate({"prompt_token_ids": [3, 4, 5]}, GREEDY, use_tqdm=False)[0].outputs
 
 
-def test_a_dir_built_by_another_jax_is_refused(built, tmp_path):
+@pytest.mark.parametrize("field,value,message", [
+    (("versions", "jax"), "0.0.1", r"versions\.jax: built for '0.0.1'"),
+    (("platform",), "tpu", r"platform: built for 'tpu', this engine has 'cpu'"),
+    (("device_kind",), "TPU v5 lite", r"device_kind: built for 'TPU v5 lite'"),
+])
+def test_a_dir_built_by_another_jax_or_for_another_target_is_refused(built, tmp_path, field,
+                                                                     value, message):
     path, out = built
-    moved = _copy(out, tmp_path / "other-jax")
+    moved = _copy(out, tmp_path / "other")
     manifest = json.loads((moved / compiled_dir.MANIFEST).read_text())
-    manifest["fingerprint"]["versions"]["jax"] = "0.0.1"
+    *outer, last = field
+    entry = manifest["fingerprint"]
+    for key in outer:
+        entry = entry[key]
+    entry[last] = value
     (moved / compiled_dir.MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(compiled_dir.CompiledDirError, match=r"versions\.jax: built for '0.0.1'"):
+    with pytest.raises(compiled_dir.CompiledDirError, match=message):
         LLM(str(path), compiled_dir=str(moved), strict_compile=True, **ENGINE)
 
 

@@ -87,3 +87,32 @@ def test_a_write_that_copies_the_cache_fails_the_gate(tmp_path):
     (bucket,) = report["buckets"]
     assert bucket["compiled"] and bucket["cache_copies"] >= 2 * layers, log  # K and V per layer
     assert any("copies of the KV cache" in f for f in report["failures"]), log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tpu-v5e-llama3-8b", "h200-llama3-8b"])
+def test_a_preset_builds_its_compiled_dir_deviceless(name, tmp_path):
+    """`jaxserve compile --target`: every program of the preset (4 layers here), serialized."""
+    target, _ = PRESETS[name]
+    platform = "tpu" if name.startswith("tpu") else "gpu"
+    if not VENVS[platform].exists() or (platform == "gpu" and not Path(target).exists()):
+        pytest.skip(f"{platform} compile venv or target description absent")
+    out = tmp_path / "compiled"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
+               ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    proc = subprocess.run([str(VENVS[platform]), "-m", "jaxserve.entrypoints.cli", "compile",
+                           str(LLAMA3_8B), "--target", target, "--config",
+                           str(REPO / "configs" / "engine" / f"{name}.yaml"), "--num-layers", "4",
+                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    import yaml
+
+    preset = yaml.safe_load((REPO / "configs" / "engine" / f"{name}.yaml").read_text())
+    kinds = [p["kind"] for p in manifest["programs"]]
+    assert kinds.count("step") == len(preset["token_buckets"])  # one request bucket
+    assert "kv_init" in kinds and kinds.count("sample") >= 4
+    fp = manifest["fingerprint"]
+    assert fp["platform"] == platform and fp["model"]["num_layers"] == 4
+    assert all((out / p["file"]).stat().st_size == p["bytes"] for p in manifest["programs"])
