@@ -13,7 +13,7 @@ from pathlib import Path
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 ORDER = ("bench_throughput_vs_hf", "bench_prefix_caching", "bench_chunked_prefill",
          "bench_mixed_batching", "bench_host_overhead", "bench_decode_roofline",
-         "bench_compile_check", "bench_startup")
+         "bench_compile_check", "bench_startup", "bench_startup_targets")
 
 
 def results_section(results: Path) -> str:

@@ -53,6 +53,7 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from jaxserve.executor import aot
+    from jaxserve.executor.compiled_dir import read_manifest
     from jaxserve.executor.targets import resolve_target
 
     cfg, config = _model_and_config(args)
@@ -64,8 +65,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
         out, n = aot.build_on_host(config, args.out)
     else:
         out, n = aot.build_for_target(resolve_target(args.target), cfg, config, args.out)
+    left = read_manifest(out)["left_for_the_device"]
     print(f"wrote {n} programs to {out} in {time.perf_counter() - start:.1f} s; serve with "
           f"--compiled-dir {out}", file=sys.stderr)
+    if left:
+        print(f"{len(left)} programs need the device to compile and are left to the engine's "
+              f"warm-up: {left[0]['kind']}: {left[0]['why']}", file=sys.stderr)
     return 0
 
 

@@ -35,6 +35,9 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
     program, report = prepare(target, cfg, config)
     token_buckets, request_buckets = step_buckets(config)
     programs: dict[ProgramKey, Any] = {}
+    # XLA:GPU needs the device for some programs (the sampler's top-k over logprobs at 64+
+    # rows); the engine's warm-up compiles whatever the directory lacks.
+    left: dict[ProgramKey, str] = {}
     for arrays, sampling in warm_up_programs(token_buckets, request_buckets,
                                              program.max_blocks_per_seq, cfg.eos_token_ids,
                                              config.model.max_logprobs):
@@ -42,9 +45,12 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
         if step_key not in programs:
             programs[step_key] = program.compile(len(arrays.input_ids), len(arrays.seq_lens))
         sample_key = ("sample", pack(sampling)[1])
-        if sample_key not in programs:
-            programs[sample_key] = program.compile_sampler(sampling,
-                                                           programs[step_key].out_info[2])
+        if sample_key not in programs and sample_key not in left:
+            try:
+                programs[sample_key] = program.compile_sampler(sampling,
+                                                               programs[step_key].out_info[2])
+            except Exception as e:  # noqa: BLE001 - reported; the device compiles it at start
+                left[sample_key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     kv = program.kv
     programs[compiled_dir.KV_INIT] = jax.jit(
         lambda: (jnp.zeros(kv.shape, kv.dtype), jnp.zeros(kv.shape, kv.dtype)),
@@ -54,4 +60,4 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
         platform=target.platform,
         device_kind=target.device_kind, num_blocks=report.num_blocks,
         max_model_len=config.model.max_model_len or cfg.max_position_embeddings)
-    return compiled_dir.save(out, programs, fp), len(programs)
+    return compiled_dir.save(out, programs, fp, left), len(programs)

@@ -83,8 +83,11 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def save(directory: str | Path, programs: dict[Any, Any], fp: dict[str, Any]) -> Path:
-    """programs: {key: jax.stages.Compiled}; key is (kind, PackedLayout)."""
+def save(directory: str | Path, programs: dict[Any, Any], fp: dict[str, Any],
+         left: dict[Any, str] | None = None) -> Path:
+    """programs: {key: jax.stages.Compiled}; key is (kind, PackedLayout). `left`: programs the
+    target's compiler could not build without the device, and why (the engine compiles them
+    at warm-up); listed in the manifest."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     entries = []
@@ -95,7 +98,9 @@ def save(directory: str | Path, programs: dict[Any, Any], fp: dict[str, Any]) ->
         (directory / name).write_bytes(blob)
         entries.append({"file": name, "kind": key[0], "bytes": len(blob),
                         "sha256": hashlib.sha256(blob).hexdigest()})
-    manifest = {"fingerprint": fp, "programs": entries}
+    manifest = {"fingerprint": fp, "programs": entries,
+                "left_for_the_device": [{"kind": key[0], "why": why}
+                                        for key, why in (left or {}).items()]}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return directory
 
