@@ -49,7 +49,8 @@ def run_preset(name: str, num_layers: int | None) -> tuple[dict | None, float, s
            str(REPO_ROOT / "configs" / "engine" / f"{name}.yaml"), "--json", str(out)]
     if num_layers:
         cmd += ["--num-layers", str(num_layers)]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
+               ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # libtpu locks itself to one process
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start

@@ -72,7 +72,8 @@ def cpu_rows(repeats: int) -> list[list[object]]:
 
 def deviceless(cmd: list[str], platform: str) -> float:
     python = REPO_ROOT / f".venv-{platform}" / "bin" / "python"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
+               ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # libtpu locks itself to one process
     start = time.perf_counter()
     subprocess.run([str(python), "-m", "jaxserve.entrypoints.cli", *cmd], cwd=REPO_ROOT,
                    env=env, check=True, capture_output=True)
