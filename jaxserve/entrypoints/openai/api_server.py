@@ -76,7 +76,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
     app.state.llm, app.state.metrics = llm, metrics
 
     keyed = (401,) if api_key else ()
-    body_errors = error_responses(400, *keyed, 405, 408, 413, 500, 503)
+    body_errors = error_responses(400, *keyed, 404, 405, 408, 413, 500, 503)
 
     @app.get("/health", response_class=Response, responses=error_responses(405, 503) | {
         200: {"description": "The engine is running (empty body)", "content": {}}})

@@ -98,12 +98,13 @@ class RequestTracker:
             elif m.last_token_time > self.last_token_time:
                 self.metrics.itl.observe(m.last_token_time - self.last_token_time)
             self.last_token_time = m.last_token_time
+        for comp in out.outputs:  # a delta carries each sample's finish_reason once
+            if comp.finish_reason is not None:
+                self._count(comp.finish_reason)
         if out.finished:
             end = m.finished_time or m.last_token_time
             if end is not None:
                 self.metrics.e2e.observe(max(0.0, end - m.arrival_time))
-            for comp in out.outputs:
-                self._count(comp.finish_reason or "unknown")
 
     def close(self) -> None:
         if self.unfinished > 0:

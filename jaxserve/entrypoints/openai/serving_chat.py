@@ -25,20 +25,18 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest) -> Response:
-        self.check_model(req.model)
-        if req.tools:
-            raise APIError(400, "tools are not supported", "tools", "unsupported")
+        self.check_request(req)
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
                            "top_logprobs")
         if top is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-        prompt_ids = await self._render(req.messages, req.add_generation_prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         params = self.sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt_ids = await self._render(req.messages, req.add_generation_prompt, max_tokens)
+        request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         gens = await self.start(request_id, [{"prompt_token_ids": prompt_ids}], params, req)
         model = req.model or self.model_names[0]
         if req.stream:
@@ -47,7 +45,7 @@ class OpenAIServingChat(OpenAIServing):
                                                  req)).model_dump())
 
     async def _render(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                      ) -> list[int]:
+                      max_tokens: int | None) -> list[int]:
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
         if self.tokenizer is None:
@@ -69,7 +67,7 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
             raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
                 from None
-        self.check_length(ids, "messages")
+        self.check_length(ids, "messages", max_tokens)
         return ids
 
     def _logprobs(self, token_ids: list[int], entries: list[Logprobs]) -> ChatLogprobs:

@@ -50,11 +50,21 @@ class OpenAIServing:
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise APIError(400, f"model {name!r} does not exist; this server serves "
+    def check_request(self, req: SamplingRequest) -> None:
+        """The served model (404 otherwise, as vLLM), and no field that would be ignored."""
+        if req.model is not None and req.model not in self.model_names:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
                            f"{', '.join(repr(n) for n in self.model_names)}", "model",
                            "model_not_found")
+        name = req.unsupported_field()
+        if name is not None:
+            value = req.stream_options if name.startswith("stream_options") else \
+                getattr(req, name)
+            raise APIError(400, f"{name} is not supported by jaxserve (got {value!r})", name,
+                           "unsupported")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options can only be given with stream=true",
+                           "stream_options")
 
     def check_chars(self, text: str, param: str) -> None:
         try:
@@ -62,23 +72,29 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), param, "context_length_exceeded") from None
 
-    async def encode(self, text: str, param: str) -> list[int]:
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenise on a worker thread: a long text takes seconds, which on the event loop
         would stall every other request (and /health)."""
         self.check_chars(text, param)
-        return await asyncio.to_thread(self.tokenizer.encode, text)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
-    def check_length(self, token_ids: list[int], param: str) -> None:
+    def check_length(self, token_ids: list[int], param: str, max_tokens: int | None) -> None:
+        """The prompt and `max_tokens` must fit the context (vLLM answers 400, not a clipped
+        output); `max_tokens=None` asks for whatever room is left."""
         if len(token_ids) >= self.max_model_len:
             raise APIError(400, f"{param}: the prompt has {len(token_ids)} tokens, but this "
                            f"model's context length is {self.max_model_len} (the prompt must "
                            "leave room for at least one generated token)", param,
                            "context_length_exceeded")
+        if max_tokens is not None and len(token_ids) + max_tokens > self.max_model_len:
+            raise APIError(400, f"max_tokens: this model's context length is "
+                           f"{self.max_model_len} tokens, but {len(token_ids) + max_tokens} were "
+                           f"asked for ({len(token_ids)} in the {param}, {max_tokens} in the "
+                           "completion); reduce the prompt or max_tokens", "max_tokens",
+                           "context_length_exceeded")
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported")
         kwargs: dict[str, Any] = {name: getattr(req, name) for name in _PASSED_SAMPLING}
         kwargs |= {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
                    if getattr(req, name) is not None}
