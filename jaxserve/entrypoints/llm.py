@@ -20,17 +20,25 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        return self.engine
+
     def get_tokenizer(self):  # noqa: ANN201 (Tokenizer | None)
         return self.engine.tokenizer
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt: a text, a dict, or a bare token id list
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):

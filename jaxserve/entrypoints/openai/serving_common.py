@@ -16,7 +16,7 @@ from jaxserve.entrypoints.openai.errors import APIError, bad_request
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                       "frequency_penalty", "repetition_penalty")
@@ -99,7 +99,8 @@ class OpenAIServing:
         kwargs |= {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
                    if getattr(req, name) is not None}
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                                  output_kind=RequestOutputKind.DELTA, **kwargs)
         except ValueError as exc:
             raise bad_request(exc, fields=SAMPLING_FIELDS) from None
 
