@@ -11,6 +11,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineStats
 from jaxserve.engine.input_processor import PromptType
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.metrics_reader import Metric, engine_metrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -32,6 +33,11 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's vLLM-named gauges and counters (`vllm:num_requests_running`, ...)."""
+        return engine_metrics(self.engine.stats(),
+                              {"model_name": str(self.engine.config.model.model), "engine": "0"})
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -66,6 +66,22 @@ def test_chat(llm: LLM) -> None:  # examples/offline_inference/basic/chat.py
     assert len(outputs) == 1 and outputs[0].outputs[0].finish_reason in ("stop", "length")
 
 
+def test_get_metrics_reads_vllm_named_series(llm: LLM) -> None:
+    from jaxserve.engine.metrics_reader import Counter, Gauge
+
+    before = {m.name: m for m in llm.get_metrics()}
+    llm.generate({"prompt_token_ids": list(range(50, 90))}, SamplingParams(max_tokens=2),
+                 use_tqdm=False)
+    after = {m.name: m for m in llm.get_metrics()}
+    assert isinstance(after["vllm:num_requests_running"], Gauge)
+    assert isinstance(after["vllm:kv_cache_usage_perc"], Gauge)
+    assert after["vllm:num_requests_waiting"].value == 0
+    queries = after["vllm:prefix_cache_queries_total"]
+    assert isinstance(queries, Counter) and queries.labels["engine"] == "0"
+    assert queries.value > before["vllm:prefix_cache_queries_total"].value
+    assert {"vllm:num_preemptions_total", "vllm:prefix_cache_hits_total"} <= set(after)
+
+
 def test_llm_engine_methods_and_reset_prefix_cache(llm: LLM) -> None:
     assert llm.llm_engine is llm.engine
     prompt = {"prompt_token_ids": list(range(5, 5 + 40))}

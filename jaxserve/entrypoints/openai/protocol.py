@@ -35,9 +35,11 @@ def _check_text(value: Any, where: str) -> None:
             _check_text(item, f"{where}.{i}")
 
 
-class SamplingRequest(BaseModel):
-    """Fields shared by completions and chat completions (extensions after the blank line)."""
+class APIRequest(BaseModel):
+    """A request body naming a model; `UNSUPPORTED` maps each field jaxserve does not support
+    to the values that ask for nothing."""
     model_config = ConfigDict(extra="ignore")
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -46,6 +48,17 @@ class SamplingRequest(BaseModel):
         return data
 
     model: str | None = None
+
+    def unsupported_field(self) -> str | None:
+        """The first field set to a value jaxserve would have to ignore, if any."""
+        for name, no_effect in self.UNSUPPORTED.items():
+            if getattr(self, name) not in no_effect:
+                return name
+        return None
+
+
+class SamplingRequest(APIRequest):
+    """Fields shared by completions and chat completions (extensions after the blank line)."""
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -107,13 +120,9 @@ class SamplingRequest(BaseModel):
     }
 
     def unsupported_field(self) -> str | None:
-        """The first field set to a value jaxserve would have to ignore, if any."""
-        for name, no_effect in self.UNSUPPORTED.items():
-            if getattr(self, name) not in no_effect:
-                return name
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             return "stream_options.continuous_usage_stats"
-        return None
+        return super().unsupported_field()
 
 
 class CompletionRequest(SamplingRequest):
@@ -168,6 +177,33 @@ class ChatCompletionRequest(SamplingRequest):
         "echo": (False,), "continue_final_message": (False,), "add_special_tokens": (False,),
         "documents": (None, []), "chat_template": (None,), "chat_template_kwargs": (None, {}),
         "mm_processor_kwargs": (None, {})}
+
+
+class TokenizeCompletionRequest(APIRequest):
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(APIRequest):
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        name: ChatCompletionRequest.UNSUPPORTED[name] for name in (
+            "continue_final_message", "add_special_tokens", "chat_template",
+            "chat_template_kwargs", "tools", "mm_processor_kwargs")}
+
+
+class DetokenizeRequest(APIRequest):
+    tokens: list[int]
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -279,6 +315,21 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ModelCard(BaseModel):

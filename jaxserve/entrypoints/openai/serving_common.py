@@ -14,7 +14,8 @@ from starlette.types import Receive, Scope, Send
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxserve.entrypoints.openai.errors import APIError, bad_request
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
-from jaxserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from jaxserve.entrypoints.openai.protocol import (APIRequest, ChatMessage, SamplingRequest,
+                                                  UsageInfo)
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -50,7 +51,7 @@ class OpenAIServing:
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
 
-    def check_request(self, req: SamplingRequest) -> None:
+    def check_request(self, req: APIRequest) -> None:
         """The served model (404 otherwise, as vLLM), and no field that would be ignored."""
         if req.model is not None and req.model not in self.model_names:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves "
@@ -62,7 +63,8 @@ class OpenAIServing:
                 getattr(req, name)
             raise APIError(400, f"{name} is not supported by jaxserve (got {value!r})", name,
                            "unsupported")
-        if req.stream_options is not None and not req.stream:
+        if isinstance(req, SamplingRequest) and req.stream_options is not None \
+                and not req.stream:
             raise APIError(400, "stream_options can only be given with stream=true",
                            "stream_options")
 
@@ -77,6 +79,31 @@ class OpenAIServing:
         would stall every other request (and /health)."""
         self.check_chars(text, param)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          ) -> list[int]:
+        """The messages' token ids through the tokenizer's chat template."""
+        if not messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        if self.tokenizer is None:
+            raise APIError(400, "messages: this model has no tokenizer, so no chat template",
+                           "messages")
+        conversation: list[dict[str, Any]] = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                if any(p.type != "text" or p.text is None for p in content):
+                    raise APIError(400, f"messages.{i}.content: only text parts are supported",
+                                   f"messages.{i}.content", "unsupported")
+                content = "".join(p.text or "" for p in content)
+            conversation.append({"role": m.role, "content": content or ""})
+        self.check_chars("".join(m["content"] for m in conversation), "messages")
+        try:
+            return await asyncio.to_thread(self.tokenizer.apply_chat_template, conversation,
+                                           add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
+            raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
+                from None
 
     def check_length(self, token_ids: list[int], param: str, max_tokens: int | None) -> None:
         """The prompt and `max_tokens` must fit the context (vLLM answers 400, not a clipped
