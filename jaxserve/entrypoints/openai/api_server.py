@@ -95,10 +95,12 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
             raise APIError(503, "the engine loop has stopped", code="engine_dead")
         return Response(status_code=200)
 
-    # vLLM's /ping (SageMaker's health check): /health by another name.
-    for method in ("GET", "POST"):
-        app.add_api_route("/ping", health, methods=[method], name=f"ping_{method.lower()}",
-                          response_class=Response, responses=health_doc)
+    # vLLM's /ping (SageMaker's health check): /health by another name; POST is accepted
+    # too but left out of the document (a body-less POST has nothing to describe).
+    app.add_api_route("/ping", health, methods=["GET"], name="ping",
+                      response_class=Response, responses=health_doc)
+    app.add_api_route("/ping", health, methods=["POST"], name="ping_post",
+                      include_in_schema=False)
 
     @app.get("/version", responses=error_responses(*keyed, 405))
     async def version() -> VersionResponse:
