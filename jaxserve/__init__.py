@@ -13,7 +13,12 @@ _EXPORTS = {
     "AsyncLLM": "jaxserve.engine.async_llm",
     "LLMEngine": "jaxserve.engine.llm_engine",
     "EngineConfig": "jaxserve.config",
+    "EngineArgs": "jaxserve.engine.arg_utils",
+    "AsyncEngineArgs": "jaxserve.engine.arg_utils",
     "SamplingParams": "jaxserve.sampling_params",
+    "RequestOutputKind": "jaxserve.sampling_params",
+    "TextPrompt": "jaxserve.inputs",
+    "TokensPrompt": "jaxserve.inputs",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
 }

@@ -12,6 +12,7 @@ import yaml
 
 from jaxserve.default_model import default_model_path
 from jaxserve.disaggregation_config import normalize_disaggregation
+from jaxserve.vllm_args import accept_vllm_args
 
 
 @dataclass
@@ -96,7 +97,9 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         """Build from flat engine arguments (`max_num_seqs=8`, ...); unknown names and values of
-        the wrong type are errors. Paths (`os.PathLike`) are accepted where a string is."""
+        the wrong type are errors. Paths (`os.PathLike`) are accepted where a string is.
+        vLLM's arguments that have no effect here are accepted (see `jaxserve.vllm_args`)."""
+        kwargs = accept_vllm_args(kwargs)
         check_engine_args(kwargs)
         config = cls()
         for name, value in kwargs.items():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from jaxserve.core.scheduler_output import Logprobs
 
@@ -45,3 +45,18 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None  # a sample's step failed (its finish_reason is "error")
+
+
+def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """The cumulative output after `delta` (vLLM's CUMULATIVE kind): a new object sharing no
+    list with `total`, so one already handed to a caller never changes under it."""
+    samples = {c.index: c for c in (total.outputs if total is not None else ())}
+    for d in delta.outputs:
+        old = samples.get(d.index)
+        logprobs = None if d.logprobs is None else (
+            list(d.logprobs) if old is None or old.logprobs is None else old.logprobs + d.logprobs)
+        samples[d.index] = CompletionOutput(
+            d.index, d.text if old is None else old.text + d.text,
+            list(d.token_ids) if old is None else old.token_ids + d.token_ids,
+            d.cumulative_logprob, logprobs, d.finish_reason, d.stop_reason)
+    return replace(delta, outputs=[samples[i] for i in sorted(samples)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 
@@ -15,6 +16,14 @@ INT32_MAX = 2**31 - 1  # token ids, counts and top_k live on the device as i32
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_STOP_STRINGS = 64  # each is searched in every new piece of text: the cost is per step
 MAX_STOP_CHARS = 4096  # summed over the stop strings
+
+
+class RequestOutputKind(IntEnum):
+    """What each streamed output holds (vLLM's values): everything so far, only what is new,
+    or nothing until the request has finished."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _check_int(name: str, value: object, *, allow_none: bool = False, low: int = 0,
@@ -52,9 +61,12 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs of each sampled position
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # how AsyncLLM streams
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
         self.temperature = _check_float("temperature", self.temperature)
         if not 0 <= self.temperature <= FLOAT32_MAX:

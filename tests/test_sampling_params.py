@@ -3,7 +3,7 @@ import re
 import numpy as np
 import pytest
 
-from jaxserve.sampling_params import SamplingParams, request_seed
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams, request_seed
 
 
 def test_defaults_follow_vllm() -> None:
@@ -14,6 +14,7 @@ def test_defaults_follow_vllm() -> None:
     assert (p.stop, p.stop_token_ids) == ([], [])
     assert not p.ignore_eos and p.skip_special_tokens and not p.include_stop_str_in_output
     assert not p.greedy and not p.has_penalties
+    assert p.output_kind is RequestOutputKind.CUMULATIVE
 
 
 def test_stop_and_top_k_are_normalised() -> None:
@@ -95,6 +96,7 @@ def test_boundary_values_are_accepted(kwargs: dict) -> None:
     ({"seed": 2**64}, "seed", "18446744073709551616"),
     ({"stop": [str(i) for i in range(65)]}, "stop", "65"),
     ({"stop": ["x" * 4097]}, "stop", "4097"),
+    ({"output_kind": 1}, "output_kind", "1"),  # the enum's value, not the enum
 ])
 def test_invalid_parameter_raises_value_error_naming_field_and_value(
         kwargs: dict, field: str, value: str) -> None:

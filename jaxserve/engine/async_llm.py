@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.arg_utils import DEFAULT_MAX_QUEUED_REQUESTS, AsyncEngineArgs
 from jaxserve.engine.core import EngineStats
 from jaxserve.engine.input_processor import PromptType
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, accumulate
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
-DEFAULT_MAX_QUEUED_REQUESTS = 1024
 _IDLE_WAIT_S = 0.01  # a stalled schedule (nothing admitted, nothing running) polls this often
 
 
@@ -95,9 +95,12 @@ class AsyncLLM:
                     max_queued_requests)
 
     @classmethod
-    def from_engine_args(cls, max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
-                         **engine_args: Any) -> "AsyncLLM":
-        return cls(max_queued_requests=max_queued_requests, **engine_args)
+    def from_engine_args(cls, engine_args: AsyncEngineArgs | None = None,
+                         **kwargs: Any) -> "AsyncLLM":
+        """As vLLM: `AsyncLLM.from_engine_args(AsyncEngineArgs(model=...))`; or the
+        arguments themselves (`from_engine_args(model=..., max_queued_requests=...)`)."""
+        args = AsyncEngineArgs.of(engine_args, kwargs)
+        return cls.from_engine(LLMEngine(args.create_engine_config()), args.max_queued_requests)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine,
@@ -134,7 +137,8 @@ class AsyncLLM:
                        request_id: str | None = None, *, arrival_time: float | None = None,
                        priority: int = 0, cache_salt: str | None = None,
                        ) -> AsyncIterator[RequestOutput]:
-        """Stream delta outputs; the last has `finished=True`. Bad input raises ValueError
+        """Stream outputs of `sampling_params.output_kind` (as vLLM: CUMULATIVE by default,
+        DELTA, or FINAL_ONLY); the last has `finished=True`. Bad input raises ValueError
         before any output; leaving the loop early (cancel, break, aclose) aborts the request.
 
         Non-final outputs carry a snapshot of the metrics without `token_times` (the delta's
@@ -165,7 +169,10 @@ class AsyncLLM:
         except EngineDeadError:
             self._drop_stream(request_id, stream)
             raise
+        kind = RequestOutputKind.CUMULATIVE if sampling_params is None \
+            else sampling_params.output_kind
         finished = rejected = False
+        total: RequestOutput | None = None
         try:
             try:
                 await asyncio.wrap_future(added)
@@ -173,11 +180,14 @@ class AsyncLLM:
                 rejected = added.done() and not added.cancelled()
                 raise
             while True:
-                out = await stream.queue.get()
+                out = await stream.queue.get()  # the engine sends deltas
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
-                yield out
+                if kind != RequestOutputKind.DELTA:
+                    out = total = accumulate(total, out)
+                if finished or kind != RequestOutputKind.FINAL_ONLY:
+                    yield out
                 if finished:
                     return
         finally:
@@ -368,6 +378,6 @@ def _aborted_output(state: Any) -> RequestOutput:  # state: output_processor.Req
     comps = [CompletionOutput(s.completion.index, "", [], s.completion.cumulative_logprob,
                               None if s.completion.logprobs is None else [],
                               s.completion.finish_reason or "abort", s.completion.stop_reason)
-             for s in state.samples]
+             for s in state.samples if not s.sent_finish]  # a finish is sent once
     return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, True,
                          state.metrics, state.num_cached_tokens)

@@ -8,6 +8,7 @@ from typing import Any, Union
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.inputs import PROMPT_KEYS
 from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.core.request import Request
 from jaxserve.sampling_params import SamplingParams, request_seed
@@ -52,6 +53,10 @@ class InputProcessor:
             self.check_prompt_chars(prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - PROMPT_KEYS)
+            if unknown:  # multi_modal_data, prompt_embeds, ...: not supported, never ignored
+                raise ValueError(f"prompt: {unknown[0]!r} is not supported (a prompt dict "
+                                 "holds 'prompt' and/or 'prompt_token_ids')")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import EngineCore, EngineStats
 from jaxserve.engine.input_processor import InputProcessor, PromptType
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.models.loaded_model import LoadedModel
+from jaxserve.models.tokenizer import Tokenizer, load_hf_tokenizer
 from jaxserve.outputs import RequestOutput
 from jaxserve.core.request import RequestStatus
 from jaxserve.sampling_params import SamplingParams
@@ -19,15 +21,22 @@ class LLMEngine:
         self.config = config
         self.core = make_engine_core(config, loaded)
         worker = self.core.executor.worker
-        self.tokenizer = worker.loaded.tokenizer
+        context = self.core.model_config.max_position_embeddings
+        if self.core.max_model_len > context:
+            raise ValueError(f"max_model_len ({self.core.max_model_len}) is more than the "
+                             f"model's context (max_position_embeddings = {context})")
+        self.tokenizer = _tokenizer(config, worker.loaded.tokenizer, worker.model_config)
         self.input_processor = InputProcessor(
             self.tokenizer, self.core.model_config.vocab_size, self.core.max_model_len,
             config.cache.block_size, self.core.root_hash, config.model)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
-    def from_engine_args(cls, **kwargs: Any) -> "LLMEngine":
-        return cls(EngineConfig.from_kwargs(**kwargs))
+    def from_engine_args(cls, engine_args: EngineArgs | None = None,
+                         **kwargs: Any) -> "LLMEngine":
+        """As vLLM: `LLMEngine.from_engine_args(EngineArgs(model=...))`; or the arguments
+        themselves (`from_engine_args(model=...)`)."""
+        return cls(EngineArgs.of(engine_args, kwargs).create_engine_config())
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
@@ -66,6 +75,25 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing reset) while a request holds blocks."""
+        return all([s.kv.reset_prefix_cache() for s in self.core.schedulers])
+
+
+def _tokenizer(config: EngineConfig, own: Tokenizer | None, model: Any) -> Tokenizer | None:
+    """The checkpoint's tokenizer, or the one `tokenizer=` names (an HF tokenizer directory)."""
+    path = config.model.tokenizer
+    if path is None:
+        return own
+    tokenizer = load_hf_tokenizer(path, bos_token_id=model.bos_token_id,
+                                  eos_token_id=(model.eos_token_ids or (None,))[0])
+    if tokenizer is None:
+        raise ValueError(f"tokenizer: no tokenizer.json in {path!r}")
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ValueError(f"tokenizer {path!r} has {tokenizer.vocab_size} tokens, more than "
+                         f"the model's vocab_size ({model.vocab_size})")
+    return tokenizer
 
 
 def make_engine_core(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:

@@ -17,6 +17,7 @@ class _Sample:
     detokenizer: IncrementalDetokenizer | None
     sent_tokens: int = 0  # for delta outputs: what the consumer has already received
     sent_text: int = 0
+    sent_finish: bool = False  # a delta output carried its finish_reason: it is done
 
 
 @dataclass
@@ -143,6 +144,8 @@ class OutputProcessor:
         for sample in state.samples:
             comp = sample.completion
             if delta:
+                if sample.sent_finish:
+                    continue  # a finished sample has nothing new: it is sent once
                 # Hold back a possible stop-string prefix: it may still be cut from the text.
                 text_end = len(comp.text) if comp.finished else max(
                     sample.sent_text, len(comp.text) - holdback)
@@ -152,6 +155,7 @@ class OutputProcessor:
                                      else comp.logprobs[sample.sent_tokens:],
                                      comp.finish_reason, comp.stop_reason)
                 sample.sent_text, sample.sent_tokens = text_end, len(comp.token_ids)
+                sample.sent_finish = comp.finished
                 comp = d
             completions.append(comp)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,

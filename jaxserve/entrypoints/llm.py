@@ -11,6 +11,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineStats
 from jaxserve.engine.input_processor import PromptType
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.metrics_reader import Metric, engine_metrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -20,17 +21,30 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        return self.engine
+
     def get_tokenizer(self):  # noqa: ANN201 (Tokenizer | None)
         return self.engine.tokenizer
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's vLLM-named gauges and counters (`vllm:num_requests_running`, ...)."""
+        return engine_metrics(self.engine.stats(),
+                              {"model_name": str(self.engine.config.model.model), "engine": "0"})
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt: a text, a dict, or a bare token id list
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):

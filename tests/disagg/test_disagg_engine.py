@@ -82,10 +82,9 @@ def test_llm_and_async_llm_work_unchanged_over_the_disaggregated_core(gqa8, comp
     assert [tokens(o) for o in outs] == reference[:3]
 
     async def stream(llm: AsyncLLM, prompt: list[int]) -> list[int]:
-        tokens: list[int] = []
         async for out in llm.generate({"prompt_token_ids": prompt}, GREEDY):
-            tokens += out.outputs[0].token_ids
-        return tokens
+            final = out  # cumulative (vLLM's default): the last output holds them all
+        return final.outputs[0].token_ids
 
     async def run() -> list[list[int]]:
         async_llm = AsyncLLM.from_engine(LLMEngine(llm.engine.config))

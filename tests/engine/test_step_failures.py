@@ -55,8 +55,7 @@ def test_async_llm_raises_for_the_failed_request_and_keeps_serving(engine):
             asyncio.run(run(_poisoned()))
         assert llm.is_running
         outs = asyncio.run(run(GREEDY))
-        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) + sum(
-            len(o.outputs[0].token_ids) for o in outs[:-1]) == 8
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8  # cumulative
         llm.call_in_engine(assert_no_leaks).result()
     finally:
         llm.shutdown()

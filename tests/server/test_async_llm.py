@@ -8,13 +8,14 @@ import threading
 import pytest
 
 from engine_helpers import assert_no_leaks, random_prompts
-from jaxserve import AsyncLLM, RequestOutput, SamplingParams
+from jaxserve import AsyncLLM, RequestOutput, RequestOutputKind, SamplingParams
 from jaxserve.engine.async_llm import EngineDeadError, EngineQueueFullError
 from jaxserve.engine.input_processor import PromptType
 from server_helpers import wait_engine_idle
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-LONG = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+DELTA = RequestOutputKind.DELTA
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, output_kind=DELTA)
+LONG = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True, output_kind=DELTA)
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +32,11 @@ async def _collect(llm: AsyncLLM, prompt: PromptType, params: SamplingParams,
 
 def test_streamed_deltas_concatenate_to_the_offline_output(llm, offline):
     prompts = ["Once upon a time", "The robot liked", {"prompt_token_ids": [5, 6, 7, 8, 9]}]
-    sampled = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    sampled = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True,
+                             output_kind=DELTA)
     stop_text = offline.generate("Every morning", GREEDY, use_tqdm=False)[0].outputs[0].text
     stopped = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
-                             stop=[stop_text[4:7]])
+                             stop=[stop_text[4:7]], output_kind=DELTA)
     cases = [(p, GREEDY) for p in prompts] + [("Once upon", sampled), ("Every morning", stopped)]
 
     async def run():

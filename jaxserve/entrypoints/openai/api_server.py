@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import ipaddress
 import logging
 import threading
@@ -21,13 +22,17 @@ from jaxserve.entrypoints.openai.errors import (APIError, document_errors_as_ans
 from jaxserve.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S,
                                                 RequestLimitsMiddleware, timed_h11)
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
+from jaxserve.entrypoints.openai import API_KEY_ENV
 from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                   CompletionRequest, CompletionResponse,
-                                                  ModelCard, ModelList)
-from jaxserve.entrypoints.openai import API_KEY_ENV
+                                                  DetokenizeRequest, DetokenizeResponse,
+                                                  ModelCard, ModelList, TokenizeChatRequest,
+                                                  TokenizeCompletionRequest, TokenizeResponse,
+                                                  VersionResponse)
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_common import cancel_on_disconnect
 from jaxserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from jaxserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +60,8 @@ class APIKeyMiddleware:
 def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None = None, *,
               open_metrics: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
-    """With `api_key`, every route but /health needs it (/metrics too unless `open_metrics`)."""
+    """With `api_key`, every route but /health and /ping needs it (/metrics too unless
+    `open_metrics`)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
@@ -67,23 +73,47 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
     metrics = ServerMetrics(llm, served_model_names[0])
     completions = OpenAIServingCompletion(llm, served_model_names, metrics)
     chat = OpenAIServingChat(llm, served_model_names, metrics)
+    tokenization = OpenAIServingTokenization(llm, served_model_names, metrics)
     install_error_handlers(app)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_body_bytes,
                        read_timeout_s=read_timeout_s)
     if api_key:  # added last: the outermost, so an unauthorised body is never read
-        open_paths = frozenset({"/health"} | ({"/metrics"} if open_metrics else set()))
+        open_paths = frozenset({"/health", "/ping"} | ({"/metrics"} if open_metrics
+                                                       else set()))
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.state.llm, app.state.metrics = llm, metrics
 
     keyed = (401,) if api_key else ()
-    body_errors = error_responses(400, *keyed, 405, 408, 413, 500, 503)
+    body_errors = error_responses(400, *keyed, 404, 405, 408, 413, 500, 503)
 
-    @app.get("/health", response_class=Response, responses=error_responses(405, 503) | {
-        200: {"description": "The engine is running (empty body)", "content": {}}})
+    health_doc = error_responses(405, 503) | {
+        200: {"description": "The engine is running (empty body)", "content": {}}}
+
+    @app.get("/health", response_class=Response, responses=health_doc)
     async def health() -> Response:
         if not llm.is_running:
             raise APIError(503, "the engine loop has stopped", code="engine_dead")
         return Response(status_code=200)
+
+    # vLLM's /ping (SageMaker's health check): /health by another name; POST is accepted
+    # too but left out of the document (a body-less POST has nothing to describe).
+    app.add_api_route("/ping", health, methods=["GET"], name="ping",
+                      response_class=Response, responses=health_doc)
+    app.add_api_route("/ping", health, methods=["POST"], name="ping_post",
+                      include_in_schema=False)
+
+    @app.get("/version", responses=error_responses(*keyed, 405))
+    async def version() -> VersionResponse:
+        return VersionResponse(version=importlib.metadata.version("jaxserve"))
+
+    @app.post("/tokenize", responses=error_responses(400, *keyed, 404, 405, 413))
+    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest,
+                       ) -> TokenizeResponse:
+        return await tokenization.tokenize(req)
+
+    @app.post("/detokenize", responses=error_responses(400, *keyed, 404, 405, 413))
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokenization.detokenize(req)
 
     @app.get("/v1/models", responses=error_responses(*keyed, 405))
     async def models() -> ModelList:

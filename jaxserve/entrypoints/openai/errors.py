@@ -101,7 +101,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(500, f"internal error: {type(exc).__name__}").response()
 
 
-_DESCRIPTIONS = {400: "Invalid request", 401: "Missing or wrong API key", 405: "Method not allowed",
+_DESCRIPTIONS = {400: "Invalid request", 401: "Missing or wrong API key",
+                 404: "The model is not served here", 405: "Method not allowed",
                  408: "The body arrived too slowly", 413: "The body is too large",
                  500: "The step carrying the request failed", 503: "Busy, or the engine is dead"}
 

@@ -1,19 +1,21 @@
 """Request and response bodies of the OpenAI API (the subset jaxserve serves), as pydantic models.
 
-Unknown request fields are ignored, as OpenAI-compatible servers do; fields that would change the
-result and are not supported are rejected by the serving code.
+Unknown request fields are ignored, as OpenAI-compatible servers do. Every field of vLLM's
+protocol is declared: those jaxserve does not support are listed in `UNSUPPORTED` with the values
+that ask for nothing, and any other value is refused (a 400 naming the field), never ignored.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 def _check_text(value: Any, where: str) -> None:
@@ -33,9 +35,11 @@ def _check_text(value: Any, where: str) -> None:
             _check_text(item, f"{where}.{i}")
 
 
-class SamplingRequest(BaseModel):
-    """Fields shared by completions and chat completions (extensions after the blank line)."""
+class APIRequest(BaseModel):
+    """A request body naming a model; `UNSUPPORTED` maps each field jaxserve does not support
+    to the values that ask for nothing."""
     model_config = ConfigDict(extra="ignore")
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -44,6 +48,17 @@ class SamplingRequest(BaseModel):
         return data
 
     model: str | None = None
+
+    def unsupported_field(self) -> str | None:
+        """The first field set to a value jaxserve would have to ignore, if any."""
+        for name, no_effect in self.UNSUPPORTED.items():
+            if getattr(self, name) not in no_effect:
+                return name
+        return None
+
+
+class SamplingRequest(APIRequest):
+    """Fields shared by completions and chat completions (extensions after the blank line)."""
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -67,6 +82,47 @@ class SamplingRequest(BaseModel):
     priority: int = 0
     cache_salt: str | None = None
     return_token_ids: bool = False  # choices carry the generated token ids (vLLM's extension)
+    request_id: str | None = None  # the response's id is built from it (as vLLM)
+
+    # vLLM's fields that jaxserve does not support (see UNSUPPORTED).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool | None = None
+    logits_processors: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+
+    # field -> the values that ask for nothing; any other value is answered with a 400.
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "use_beam_search": (False,), "length_penalty": (1.0,), "prompt_logprobs": (None,),
+        "allowed_token_ids": (None,), "bad_words": (None, []),
+        "truncate_prompt_tokens": (None,), "spaces_between_special_tokens": (True,),
+        "return_tokens_as_token_ids": (None, False), "logits_processors": (None, []),
+        "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
+        "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+        "guided_grammar": (None,), "structural_tag": (None,), "guided_decoding_backend": (None,),
+        "guided_whitespace_pattern": (None,), "kv_transfer_params": (None,),
+        "vllm_xargs": (None, {}), "logit_bias": (None, {}),
+    }
+
+    def unsupported_field(self) -> str | None:
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            return "stream_options.continuous_usage_stats"
+        return super().unsupported_field()
 
 
 class CompletionRequest(SamplingRequest):
@@ -76,6 +132,11 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True
+    prompt_embeds: bytes | list[bytes] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = SamplingRequest.UNSUPPORTED | {
+        "suffix": (None, ""), "prompt_embeds": (None,)}
 
 
 class ContentPart(BaseModel):
@@ -96,8 +157,53 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # no effect: tools are refused
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True  # no effect: there is no reasoning parser
+    echo: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = SamplingRequest.UNSUPPORTED | {
+        "tools": (None, []), "tool_choice": (None, "none"), "reasoning_effort": (None,),
+        "echo": (False,), "continue_final_message": (False,), "add_special_tokens": (False,),
+        "documents": (None, []), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+        "mm_processor_kwargs": (None, {})}
+
+
+class TokenizeCompletionRequest(APIRequest):
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(APIRequest):
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        name: ChatCompletionRequest.UNSUPPORTED[name] for name in (
+            "continue_final_message", "add_special_tokens", "chat_template",
+            "chat_template_kwargs", "tools", "mm_processor_kwargs")}
+
+
+class DetokenizeRequest(APIRequest):
+    tokens: list[int]
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -209,6 +315,21 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ModelCard(BaseModel):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
@@ -13,7 +11,7 @@ from jaxserve.core.scheduler_output import Logprobs
 from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                   ChatCompletionRequest, ChatCompletionResponse,
-                                                  ChatLogprobs, ChatMessage, ChatMessageOut,
+                                                  ChatLogprobs, ChatMessageOut,
                                                   ChatStreamChoice, DeltaMessage, TokenLogprob,
                                                   TopLogprob)
 from jaxserve.entrypoints.openai.serving_common import (DONE, OpenAIServing, SSEResponse, merge,
@@ -25,52 +23,25 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest) -> Response:
-        self.check_model(req.model)
-        if req.tools:
-            raise APIError(400, "tools are not supported", "tools", "unsupported")
+        self.check_request(req)
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
                            "top_logprobs")
         if top is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-        prompt_ids = await self._render(req.messages, req.add_generation_prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         params = self.sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt)
+        self.check_length(prompt_ids, "messages", max_tokens)
+        request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         gens = await self.start(request_id, [{"prompt_token_ids": prompt_ids}], params, req)
         model = req.model or self.model_names[0]
         if req.stream:
             return SSEResponse(self._stream(request_id, model, gens[0], params.n, req))
         return JSONResponse((await self._collect(request_id, model, gens[0], params.n,
                                                  req)).model_dump())
-
-    async def _render(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                      ) -> list[int]:
-        if not messages:
-            raise APIError(400, "messages must not be empty", "messages")
-        if self.tokenizer is None:
-            raise APIError(400, "messages: this model has no tokenizer, so no chat template",
-                           "messages")
-        conversation: list[dict[str, Any]] = []
-        for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(p.type != "text" or p.text is None for p in content):
-                    raise APIError(400, f"messages.{i}.content: only text parts are supported",
-                                   f"messages.{i}.content", "unsupported")
-                content = "".join(p.text or "" for p in content)
-            conversation.append({"role": m.role, "content": content or ""})
-        self.check_chars("".join(m["content"] for m in conversation), "messages")
-        try:
-            ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, conversation,
-                                          add_generation_prompt)
-        except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
-            raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
-                from None
-        self.check_length(ids, "messages")
-        return ids
 
     def _logprobs(self, token_ids: list[int], entries: list[Logprobs]) -> ChatLogprobs:
         def entry(token_id: int, logprob: float) -> TopLogprob:

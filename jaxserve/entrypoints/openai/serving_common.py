@@ -14,9 +14,10 @@ from starlette.types import Receive, Scope, Send
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxserve.entrypoints.openai.errors import APIError, bad_request
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
-from jaxserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from jaxserve.entrypoints.openai.protocol import (APIRequest, ChatMessage, SamplingRequest,
+                                                  UsageInfo)
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                       "frequency_penalty", "repetition_penalty")
@@ -50,11 +51,22 @@ class OpenAIServing:
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise APIError(400, f"model {name!r} does not exist; this server serves "
+    def check_request(self, req: APIRequest) -> None:
+        """The served model (404 otherwise, as vLLM), and no field that would be ignored."""
+        if req.model is not None and req.model not in self.model_names:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
                            f"{', '.join(repr(n) for n in self.model_names)}", "model",
                            "model_not_found")
+        name = req.unsupported_field()
+        if name is not None:
+            value = req.stream_options if name.startswith("stream_options") else \
+                getattr(req, name)
+            raise APIError(400, f"{name} is not supported by jaxserve (got {value!r})", name,
+                           "unsupported")
+        if isinstance(req, SamplingRequest) and req.stream_options is not None \
+                and not req.stream:
+            raise APIError(400, "stream_options can only be given with stream=true",
+                           "stream_options")
 
     def check_chars(self, text: str, param: str) -> None:
         try:
@@ -62,28 +74,60 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), param, "context_length_exceeded") from None
 
-    async def encode(self, text: str, param: str) -> list[int]:
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenise on a worker thread: a long text takes seconds, which on the event loop
         would stall every other request (and /health)."""
         self.check_chars(text, param)
-        return await asyncio.to_thread(self.tokenizer.encode, text)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
-    def check_length(self, token_ids: list[int], param: str) -> None:
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          ) -> list[int]:
+        """The messages' token ids through the tokenizer's chat template."""
+        if not messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        if self.tokenizer is None:
+            raise APIError(400, "messages: this model has no tokenizer, so no chat template",
+                           "messages")
+        conversation: list[dict[str, Any]] = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                if any(p.type != "text" or p.text is None for p in content):
+                    raise APIError(400, f"messages.{i}.content: only text parts are supported",
+                                   f"messages.{i}.content", "unsupported")
+                content = "".join(p.text or "" for p in content)
+            conversation.append({"role": m.role, "content": content or ""})
+        self.check_chars("".join(m["content"] for m in conversation), "messages")
+        try:
+            return await asyncio.to_thread(self.tokenizer.apply_chat_template, conversation,
+                                           add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
+            raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
+                from None
+
+    def check_length(self, token_ids: list[int], param: str, max_tokens: int | None) -> None:
+        """The prompt and `max_tokens` must fit the context (vLLM answers 400, not a clipped
+        output); `max_tokens=None` asks for whatever room is left."""
         if len(token_ids) >= self.max_model_len:
             raise APIError(400, f"{param}: the prompt has {len(token_ids)} tokens, but this "
                            f"model's context length is {self.max_model_len} (the prompt must "
                            "leave room for at least one generated token)", param,
                            "context_length_exceeded")
+        if max_tokens is not None and len(token_ids) + max_tokens > self.max_model_len:
+            raise APIError(400, f"max_tokens: this model's context length is "
+                           f"{self.max_model_len} tokens, but {len(token_ids) + max_tokens} were "
+                           f"asked for ({len(token_ids)} in the {param}, {max_tokens} in the "
+                           "completion); reduce the prompt or max_tokens", "max_tokens",
+                           "context_length_exceeded")
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported")
         kwargs: dict[str, Any] = {name: getattr(req, name) for name in _PASSED_SAMPLING}
         kwargs |= {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
                    if getattr(req, name) is not None}
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                                  output_kind=RequestOutputKind.DELTA, **kwargs)
         except ValueError as exc:
             raise bad_request(exc, fields=SAMPLING_FIELDS) from None
 

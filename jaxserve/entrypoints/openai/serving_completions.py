@@ -31,18 +31,16 @@ class _Choice:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest) -> Response:
-        self.check_model(req.model)
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", "suffix", "unsupported")
+        self.check_request(req)
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, f"best_of must equal n ({req.n}) here, got {req.best_of}",
                            "best_of", "unsupported")
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)",
                            "echo", "unsupported")
-        prompts = await self._prompts(req.prompt)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        prompts = await self._prompts(req)
+        request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         gens = await self.start(request_id, prompts, params, req)
         model = req.model or self.model_names[0]
         echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
@@ -51,8 +49,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse((await self._collect(request_id, model, gens, params.n, echoes,
                                                  req)).model_dump())
 
-    async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
-                       ) -> list[dict[str, Any]]:
+    async def _prompts(self, req: CompletionRequest) -> list[dict[str, Any]]:
+        prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             items: list[Any] = [prompt]
         else:
@@ -67,12 +65,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 if self.tokenizer is None:
                     raise APIError(400, "prompt: this model has no tokenizer; send token ids",
                                    "prompt")
-                ids = await self.encode(item, "prompt")
+                ids = await self.encode(item, "prompt", req.add_special_tokens)
                 prompts.append({"prompt": item, "prompt_token_ids": ids})
             else:
                 ids = list(item)
                 prompts.append({"prompt_token_ids": ids})
-            self.check_length(ids, "prompt")
+            self.check_length(ids, "prompt", req.max_tokens)
         return prompts
 
     def _prompt_text(self, prompt: dict[str, Any]) -> str:

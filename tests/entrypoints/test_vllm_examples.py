@@ -1,0 +1,184 @@
+"""Our versions of vLLM's offline examples: each runs as vLLM's does, but for the import line
+(and a tiny model), and gives outputs of the same structure."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jaxserve import (LLM, AsyncEngineArgs, AsyncLLM, EngineArgs, LLMEngine, RequestOutputKind,
+                      SamplingParams)
+from jaxserve.inputs import TextPrompt, TokensPrompt
+from jaxserve.vllm_args import accept_vllm_args
+
+# vLLM's example scripts pass these; here they have no effect (one log line each).
+VLLM_NO_EFFECT = dict(enforce_eager=True, trust_remote_code=True, disable_log_stats=True,
+                      swap_space=4, compilation_config=3, revision=None, quantization=None,
+                      kv_cache_dtype="auto", dtype="float")
+PROMPTS = ["Hello, my name is", "The president of the United States is",
+           "The capital of France is", "The future of AI is"]
+
+
+@pytest.fixture(scope="module")
+def llm(engine_args: dict[str, Any]) -> LLM:
+    return LLM(**engine_args, **VLLM_NO_EFFECT)
+
+
+def test_basic_generation(llm: LLM) -> None:  # examples/offline_inference/basic/basic.py
+    sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
+    outputs = llm.generate(PROMPTS, sampling_params)
+    assert [o.prompt for o in outputs] == PROMPTS
+    for output in outputs:
+        generated_text = output.outputs[0].text
+        assert isinstance(generated_text, str) and 0 < len(output.outputs[0].token_ids) <= 16
+        assert output.finished is True
+
+
+def test_prompt_types_give_the_same_output(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    outs = [llm.generate(p, greedy, use_tqdm=False)[0].outputs[0].token_ids
+            for p in (PROMPTS[0], TextPrompt(prompt=PROMPTS[0]), TokensPrompt(prompt_token_ids=ids),
+                      ids)]  # a bare list[int] is one prompt
+    assert all(o == outs[0] for o in outs)
+    with pytest.raises(ValueError, match="'multi_modal_data' is not supported"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"image": None}}, greedy)
+
+
+def test_n_seed_and_logprobs(llm: LLM) -> None:  # sampling parameters / logprobs examples
+    params = SamplingParams(n=3, temperature=1.0, seed=42, max_tokens=6, logprobs=2)
+    first, again = (llm.generate("Once upon a time", params, use_tqdm=False)[0]
+                    for _ in range(2))
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert all(len(c.logprobs) == 6 and c.cumulative_logprob < 0 for c in first.outputs)
+
+
+def test_chat(llm: LLM) -> None:  # examples/offline_inference/basic/chat.py
+    conversation = [{"role": "system", "content": "You are a helpful assistant"},
+                    {"role": "user", "content": "Hello"}]
+    outputs = llm.chat(conversation, SamplingParams(temperature=0.5, max_tokens=5),
+                       use_tqdm=False)
+    assert len(outputs) == 1 and outputs[0].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_get_metrics_reads_vllm_named_series(llm: LLM) -> None:
+    from jaxserve.engine.metrics_reader import Counter, Gauge
+
+    before = {m.name: m for m in llm.get_metrics()}
+    llm.generate({"prompt_token_ids": list(range(50, 90))}, SamplingParams(max_tokens=2),
+                 use_tqdm=False)
+    after = {m.name: m for m in llm.get_metrics()}
+    assert isinstance(after["vllm:num_requests_running"], Gauge)
+    assert isinstance(after["vllm:kv_cache_usage_perc"], Gauge)
+    assert after["vllm:num_requests_waiting"].value == 0
+    queries = after["vllm:prefix_cache_queries_total"]
+    assert isinstance(queries, Counter) and queries.labels["engine"] == "0"
+    assert queries.value > before["vllm:prefix_cache_queries_total"].value
+    assert {"vllm:num_preemptions_total", "vllm:prefix_cache_hits_total"} <= set(after)
+
+
+def test_llm_engine_methods_and_reset_prefix_cache(llm: LLM) -> None:
+    assert llm.llm_engine is llm.engine
+    prompt = {"prompt_token_ids": list(range(5, 5 + 40))}
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate(prompt, greedy, use_tqdm=False)
+    hits = llm.stats().prefix_cache_hits
+    llm.generate(prompt, greedy, use_tqdm=False)
+    assert llm.stats().prefix_cache_hits > hits  # served from the cache
+    assert llm.reset_prefix_cache() is True
+    hits = llm.stats().prefix_cache_hits
+    llm.generate(prompt, greedy, use_tqdm=False)
+    assert llm.stats().prefix_cache_hits == hits  # the cache was emptied
+
+
+def test_llm_engine_from_engine_args_step_loop(engine_args: dict[str, Any],
+                                               llm: LLM) -> None:  # llm_engine_example.py
+    engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("0", "Once upon a time", params)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out for out in engine.step() if out.finished]
+    want = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
+    assert [o.outputs[0].token_ids for o in finished] == [want.token_ids]
+
+
+def test_async_llm_output_kinds(engine_args: dict[str, Any], llm: LLM) -> None:
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+    want = llm.generate("Once upon a time", SamplingParams(
+        n=2, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+
+    async def stream(kind: RequestOutputKind | None, request_id: str) -> list:
+        kwargs = {} if kind is None else {"output_kind": kind}
+        params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
+                                **kwargs)
+        return [out async for out in engine.generate("Once upon a time", params, request_id)]
+
+    try:
+        cumulative, delta, final = asyncio.run(_gather(
+            stream(None, "c"), stream(RequestOutputKind.DELTA, "d"),
+            stream(RequestOutputKind.FINAL_ONLY, "f")))
+    finally:
+        engine.shutdown()
+    # vLLM's default: each output holds everything so far; the usual loop keeps the last.
+    assert len(cumulative) > 2
+    for i in range(2):
+        texts = [c.text for o in cumulative for c in o.outputs if c.index == i]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    for got in (cumulative[-1], final[-1]):
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+        assert [c.text for c in got.outputs] == [c.text for c in want.outputs]
+    assert len(final) == 1 and final[0].finished
+    for c in want.outputs:
+        assert "".join(d.text for o in delta for d in o.outputs if d.index == c.index) == c.text
+
+
+async def _gather(*coros: Any) -> list:
+    return list(await asyncio.gather(*coros))
+
+
+def test_vllm_arguments_without_effect_log_once_and_the_others_are_refused(
+        caplog: pytest.LogCaptureFixture, engine_args: dict[str, Any]) -> None:
+    with caplog.at_level(logging.INFO, logger="jaxserve.vllm_args"):
+        accept_vllm_args({"max_seq_len_to_capture": 1})
+        accept_vllm_args({"max_seq_len_to_capture": 2})
+    assert sum("max_seq_len_to_capture" in r.message for r in caplog.records) == 1
+    assert accept_vllm_args({"dtype": "float"}) == {"dtype": "float32"}
+    for name, value, words in [("dtype", "half", "float16 is not implemented"),
+                               ("dtype", "float16", "float16 is not implemented"),
+                               ("revision", "main", "revision='main' is not supported"),
+                               ("quantization", "awq", "quantization='awq'"),
+                               ("kv_cache_dtype", "fp8", "kv_cache_dtype='fp8'")]:
+        with pytest.raises(ValueError, match=words):
+            LLM(**engine_args | {name: value})
+    with pytest.raises(ValueError, match=r"max_model_len \(512\) is more than the model's "
+                                         r"context \(max_position_embeddings = 256\)"):
+        LLM(**engine_args | {"max_model_len": 512})
+
+
+def test_engine_args_read_as_attributes_and_fail_early(engine_args: dict[str, Any]) -> None:
+    args = EngineArgs(**engine_args)
+    assert (args.max_num_seqs, args.enable_prefix_caching) == (4, True)
+    with pytest.raises(AttributeError, match="no engine argument 'nope'"):
+        _ = args.nope
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        EngineArgs(model="x", max_num_seq=3)
+
+
+def test_the_tokenizer_argument_is_honoured(engine_args: dict[str, Any], llm: LLM,
+                                            tmp_path: Path) -> None:
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import _tokenizer
+
+    model = llm.engine.core.model_config
+    config = EngineConfig.from_kwargs(**engine_args | {"tokenizer": engine_args["model"]})
+    tok = _tokenizer(config, None, model)  # not the checkpoint's (None here): the named one
+    assert tok is not None and tok.encode("Hello") == llm.get_tokenizer().encode("Hello")
+    config = EngineConfig.from_kwargs(**engine_args | {"tokenizer": str(tmp_path)})
+    with pytest.raises(ValueError, match="tokenizer: no tokenizer.json"):
+        _tokenizer(config, None, model)

@@ -1,0 +1,72 @@
+"""vLLM's extra endpoints (/tokenize, /detokenize, /version, /ping) and `vllm:` metrics."""
+
+from __future__ import annotations
+
+import httpx
+
+from jaxserve import __version__
+from server_helpers import MODEL_NAME
+
+MESSAGES = [{"role": "user", "content": "Hello robot"}]
+
+
+def test_ping_and_version(served):
+    assert httpx.get(f"{served.url}/ping").status_code == 200  # no key, as /health
+    assert httpx.post(f"{served.url}/ping").status_code == 200
+    assert httpx.get(f"{served.url}/version").status_code == 401
+    resp = httpx.get(f"{served.url}/version", headers=served.headers)
+    assert resp.json() == {"version": __version__}
+
+
+def test_tokenize_and_detokenize_round_trip(served):
+    tokenizer = served.llm.tokenizer
+    text = "Once upon a time"
+    with httpx.Client(base_url=served.url, headers=served.headers, timeout=60) as http:
+        got = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": text}).json()
+        ids = tokenizer.encode(text)
+        assert got == {"count": len(ids), "max_model_len": served.llm.max_model_len,
+                       "tokens": ids, "token_strs": None}
+        bare = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                            "return_token_strs": True}).json()
+        assert bare["tokens"] == tokenizer.encode(text, False) != ids
+        assert "".join(bare["token_strs"]) == text
+        chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+        assert chat["tokens"] == tokenizer.apply_chat_template(MESSAGES, True)
+        assert http.post("/detokenize", json={"tokens": bare["tokens"]}).json() == {
+            "prompt": text}
+
+        refused = http.post("/tokenize", json={"messages": MESSAGES, "chat_template": "x"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+        bad = http.post("/detokenize", json={"tokens": [10**6]})
+        assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"][
+            "message"]
+        assert http.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}).status_code == 404
+
+
+def _scrape(served) -> dict[str, float]:
+    """Each series' value, summed over its label sets (request_success has one per reason)."""
+    text = httpx.get(f"{served.url}/metrics", headers=served.headers).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(("vllm:", "jaxserve:")) and "_bucket" not in line:
+            name = line.split("{")[0]
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def test_vllm_named_metrics_are_served_beside_the_jaxserve_ones(served):
+    before = _scrape(served)
+    resp = httpx.post(f"{served.url}/v1/completions", headers=served.headers, timeout=60, json={
+        "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    assert resp.status_code == 200
+    after = _scrape(served)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "num_preemptions_total", "prompt_tokens_total"):
+        assert f"vllm:{name}" in after and f"jaxserve:{name}" in after
+    for name, grew in (("generation_tokens_total", 5), ("time_to_first_token_seconds_count", 1),
+                       ("inter_token_latency_seconds_count", 4),
+                       ("e2e_request_latency_seconds_count", 1), ("request_success_total", 1)):
+        for prefix in ("vllm", "jaxserve"):
+            key = f"{prefix}:{name}"
+            assert after[key] - before.get(key, 0) == grew, key
