@@ -1,0 +1,51 @@
+"""On a lent TPU/GPU: executables built ahead of time load and run there. Builds a compiled
+directory for the shipped model on this device (`jaxserve compile`), starts an engine from it
+in strict mode, and checks that it compiles nothing and gives the tokens of a cold engine. The
+kernels' own check (numerics and bandwidth against the HBM peak) is scripts/bench_attention.py.
+
+    python scripts/device_check.py        # prints PASS/FAIL lines, exits 1 on a failure
+
+Run on CPU here (PASS); not yet on a TPU or GPU: no task so far has been lent one with this
+script in place.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+
+import jax
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.default_model import default_model_path
+from jaxserve.executor import aot
+
+ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
+              token_buckets=[128], request_buckets=[8], compilation_cache_dir="")
+PROMPTS = ["def ", "Return the", "class ", "import "]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def main() -> int:
+    model = default_model_path()
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})")
+    cold = LLM(model, precompile=True, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
+    with tempfile.TemporaryDirectory() as out:
+        _, n = aot.build_on_host(EngineConfig.from_kwargs(model=model, **ENGINE), out)
+        compiles: list[str] = []
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda event, secs, **kw: compiles.append(event)
+            if event == "/jax/core/compile/backend_compile_duration" else None)
+        llm = LLM(model, compiled_dir=out, precompile=True, strict_compile=True, **ENGINE)
+        warm = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    same = [a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(cold, warm)]
+    checks = {f"{n} programs loaded, compilations after loading: {len(compiles)}": not compiles,
+              f"same greedy tokens as a cold engine: {sum(same)}/{len(same)}": all(same)}
+    for what, ok in checks.items():
+        print(("PASS " if ok else "FAIL ") + what)
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
