@@ -3,7 +3,11 @@ directory for the shipped model on this device (`jaxserve compile`), starts an e
 in strict mode, and checks that it compiles nothing and gives the tokens of a cold engine. The
 kernels' own check (numerics and bandwidth against the HBM peak) is scripts/bench_attention.py.
 
-    python scripts/device_check.py        # prints PASS/FAIL lines, exits 1 on a failure
+    python scripts/device_check.py [--target ../shared/gpu_targets/h200.txtpb]
+
+With --target the directory is built deviceless for that description (as CI builds them), so
+the check is that a deviceless build runs on the real chip. Prints PASS/FAIL lines; exit 1 on
+a failure.
 
 Run on CPU here (PASS); not yet on a TPU or GPU: no task so far has been lent one with this
 script in place.
@@ -11,8 +15,10 @@ script in place.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
+from pathlib import Path
 
 import jax
 
@@ -20,6 +26,8 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.default_model import default_model_path
 from jaxserve.executor import aot
+from jaxserve.executor.targets import resolve_target
+from jaxserve.models.hf_loader import read_hf_config
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
               token_buckets=[128], request_buckets=[8], compilation_cache_dir="")
@@ -28,11 +36,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=None, help="build deviceless for this target first")
+    args = p.parse_args()
     model = default_model_path()
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})")
     cold = LLM(model, precompile=True, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
     with tempfile.TemporaryDirectory() as out:
-        _, n = aot.build_on_host(EngineConfig.from_kwargs(model=model, **ENGINE), out)
+        config = EngineConfig.from_kwargs(model=model, **ENGINE)
+        _, n = (aot.build_on_host(config, out) if args.target is None else aot.build_for_target(
+            resolve_target(args.target), read_hf_config(Path(model)), config, out))
         compiles: list[str] = []
         jax.monitoring.register_event_duration_secs_listener(
             lambda event, secs, **kw: compiles.append(event)
