@@ -5,7 +5,7 @@ for a TPU topology or GPU description (the compile check's abstract step)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +13,40 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compile_check import device_model_config, prepare
+from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.model_runner import ProgramKey, step_buckets, step_inputs, warm_up_programs
 from jaxserve.executor.packing import pack
 from jaxserve.executor.targets import Target
+from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.models.llama_config import LlamaConfig
+
+
+class ProgramCompiler(Protocol):
+    def compile_step(self, arrays: StepArrays) -> Any: ...
+    def compile_sampler(self, sampling: SamplingMetadata,
+                        logits: jax.ShapeDtypeStruct) -> Any: ...
+
+
+def compile_all(compiler: ProgramCompiler,
+                warm_ups: list[tuple[StepArrays, SamplingMetadata]],
+                ) -> tuple[dict[ProgramKey, Any], dict[ProgramKey, str]]:
+    """Every warm-up program once, and those that failed to compile with why. XLA:GPU needs
+    the device for some (the sampler's top-k over logprobs at 64+ rows); the engine's warm-up
+    compiles whatever a directory lacks."""
+    programs: dict[ProgramKey, Any] = {}
+    left: dict[ProgramKey, str] = {}
+    for arrays, sampling in warm_ups:
+        step_key = ("step", step_inputs(arrays)[1])
+        if step_key not in programs:
+            programs[step_key] = compiler.compile_step(arrays)
+        sample_key = ("sample", pack(sampling)[1])
+        if sample_key not in programs and sample_key not in left:
+            try:
+                programs[sample_key] = compiler.compile_sampler(
+                    sampling, programs[step_key].out_info[2])
+            except Exception as e:  # noqa: BLE001 - reported; the device compiles it at start
+                left[sample_key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return programs, left
 
 
 def build_on_host(config: EngineConfig, out: str | Path) -> tuple[Path, int]:
@@ -24,9 +54,9 @@ def build_on_host(config: EngineConfig, out: str | Path) -> tuple[Path, int]:
     from jaxserve.executor.worker import Worker
 
     worker = Worker(config)
-    programs = worker.runner.compile_programs() | {
-        compiled_dir.KV_INIT: worker.kv_init.trace().lower().compile()}
-    return compiled_dir.save(out, programs, worker.fingerprint()), len(programs)
+    programs, left = compile_all(worker.runner, worker.runner.warm_up_programs())
+    programs[compiled_dir.KV_INIT] = worker.kv_init.trace().lower().compile()
+    return compiled_dir.save(out, programs, worker.fingerprint(), left), len(programs)
 
 
 def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
@@ -34,23 +64,9 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
     """Compile deviceless for the target; weights are abstract, so a model config suffices."""
     program, report = prepare(target, cfg, config)
     token_buckets, request_buckets = step_buckets(config)
-    programs: dict[ProgramKey, Any] = {}
-    # XLA:GPU needs the device for some programs (the sampler's top-k over logprobs at 64+
-    # rows); the engine's warm-up compiles whatever the directory lacks.
-    left: dict[ProgramKey, str] = {}
-    for arrays, sampling in warm_up_programs(token_buckets, request_buckets,
-                                             program.max_blocks_per_seq, cfg.eos_token_ids,
-                                             config.model.max_logprobs):
-        step_key = ("step", step_inputs(arrays)[1])
-        if step_key not in programs:
-            programs[step_key] = program.compile(len(arrays.input_ids), len(arrays.seq_lens))
-        sample_key = ("sample", pack(sampling)[1])
-        if sample_key not in programs and sample_key not in left:
-            try:
-                programs[sample_key] = program.compile_sampler(sampling,
-                                                               programs[step_key].out_info[2])
-            except Exception as e:  # noqa: BLE001 - reported; the device compiles it at start
-                left[sample_key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    programs, left = compile_all(program, warm_up_programs(
+        token_buckets, request_buckets, program.max_blocks_per_seq, cfg.eos_token_ids,
+        config.model.max_logprobs))
     kv = program.kv
     programs[compiled_dir.KV_INIT] = jax.jit(
         lambda: (jnp.zeros(kv.shape, kv.dtype), jnp.zeros(kv.shape, kv.dtype)),

@@ -326,22 +326,15 @@ class ModelRunner:
         return (("step", step_inputs(arrays)[1]) in self.executables
                 and ("sample", pack(sampling)[1]) in self.executables)
 
-    def compile_programs(self) -> dict[ProgramKey, Any]:
-        """Every warm-up program compiled (not run): what `jaxserve compile` saves."""
-        out: dict[ProgramKey, Any] = {}
-        for arrays, sampling in self.warm_up_programs():
-            inputs, layout = step_inputs(arrays)
-            step_key = ("step", layout)
-            if step_key not in out:
-                out[step_key] = _step.trace(
-                    self.statics, layout, self.params, self.k_cache, self.v_cache,
-                    self.prev_sampled, inputs).lower().compile()
-            sampling_inputs, sampling_layout = pack(sampling)
-            if ("sample", sampling_layout) not in out:
-                logits = out[step_key].out_info[2]
-                out["sample", sampling_layout] = _sample.trace(
-                    sampling_layout, logits, self.prev_sampled, sampling_inputs).lower().compile()
-        return out
+    def compile_step(self, arrays: StepArrays) -> Any:
+        """The model step for this bucket compiled (not run): what `jaxserve compile` saves."""
+        inputs, layout = step_inputs(arrays)
+        return _step.trace(self.statics, layout, self.params, self.k_cache, self.v_cache,
+                           self.prev_sampled, inputs).lower().compile()
+
+    def compile_sampler(self, sampling: SamplingMetadata, logits: jax.ShapeDtypeStruct) -> Any:
+        inputs, layout = pack(sampling)
+        return _sample.trace(layout, logits, self.prev_sampled, inputs).lower().compile()
 
 
 def dtype_of(name: str) -> Any:

@@ -39,8 +39,10 @@ class StepProgram:
         return self.statics.kv_sharding.mesh
 
     def compile(self, num_tokens: int, num_reqs: int) -> Any:
-        inputs, layout = step_inputs(StepArrays.empty(num_tokens, num_reqs,
-                                                      self.max_blocks_per_seq))
+        return self.compile_step(StepArrays.empty(num_tokens, num_reqs, self.max_blocks_per_seq))
+
+    def compile_step(self, arrays: StepArrays) -> Any:
+        inputs, layout = step_inputs(arrays)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # Pallas TPU lowering
             lowered = _step.trace(self.statics, layout, self.state, self.kv, self.kv,
                                   self.prev_sampled, self.replicated(inputs)).lower()
