@@ -2,7 +2,8 @@
 
     {"prefill": {"devices": [0, 1, 2, 3] | "num_devices": 4, "tensor_parallel_size": 4,
                  "data_parallel_size_local": 1, "long_prefill_token_threshold": 64, ...},
-     "decode": {...}, "connector": "inprocess" | "socket", "max_pending_transfers": 64}
+     "decode": {...}, "connector": "inprocess" | "socket", "max_pending_transfers": 64,
+     "kv_transport": "auto" | "jax_transfer" | "bytes"}
 
 Each side takes its devices, its parallel sizes and per-side scheduler/cache/runner arguments;
 everything else (model, dtype, block size, max_model_len, seed) is shared. The normal form fills
@@ -20,8 +21,12 @@ if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
 
 CONNECTORS = ("inprocess", "socket")
+# How the socket connector moves KV: JAX's transfer server (device to device, across
+# processes), raw bytes over its own socket, or the first where it starts ("auto").
+KV_TRANSPORTS = ("auto", "jax_transfer", "bytes")
 SIDES = ("prefill", "decode")
-TOP_KEYS = frozenset({*SIDES, "connector", "max_pending_transfers", "port", "startup_timeout_s"})
+TOP_KEYS = frozenset({*SIDES, "connector", "max_pending_transfers", "port", "startup_timeout_s",
+                      "kv_transport"})
 PARALLEL_KEYS = frozenset({"devices", "num_devices", "tensor_parallel_size",
                            "data_parallel_size_local"})
 # Per-side engine arguments; the rest of the engine configuration is shared by both sides.
@@ -33,7 +38,7 @@ SIDE_ENGINE_KEYS = frozenset({
 ENV_KEY = "env"  # socket connector only: extra environment of the prefill process
 
 
-def normalize_disaggregation(value: Any, config: "EngineConfig") -> dict[str, Any]:
+def normalize_disaggregation(value: Any, config: EngineConfig) -> dict[str, Any]:
     if isinstance(value, str):
         value = _load_text(value)
     if not isinstance(value, dict):
@@ -53,9 +58,16 @@ def normalize_disaggregation(value: Any, config: "EngineConfig") -> dict[str, An
     if connector not in CONNECTORS:
         raise ValueError(f"disaggregation.connector must be one of {CONNECTORS}, "
                          f"got {connector!r}")
+    kv_transport = value.get("kv_transport", "auto")
+    if kv_transport not in KV_TRANSPORTS:
+        raise ValueError(f"disaggregation.kv_transport must be one of {KV_TRANSPORTS}, "
+                         f"got {kv_transport!r}")
+    if kv_transport != "auto" and connector != "socket":
+        raise ValueError("disaggregation.kv_transport applies to the socket connector only "
+                         f"(connector is {connector!r})")
     sides = {name: _side(value.get(name, {}), name, connector) for name in SIDES}
     _assign_devices(sides, shared=connector == "inprocess")
-    out = {**sides, "connector": connector,
+    out = {**sides, "connector": connector, "kv_transport": kv_transport,
            "max_pending_transfers": _positive_int(value, "max_pending_transfers", 64),
            "port": _positive_int(value, "port", 0, minimum=0),
            "startup_timeout_s": _positive_number(value, "startup_timeout_s", 300.0)}
@@ -66,7 +78,7 @@ def normalize_disaggregation(value: Any, config: "EngineConfig") -> dict[str, An
     return out
 
 
-def side_config(config: "EngineConfig", settings: dict[str, Any], name: str) -> "EngineConfig":
+def side_config(config: EngineConfig, settings: dict[str, Any], name: str) -> EngineConfig:
     """The engine configuration of one side: the shared arguments plus the side's own."""
     side = settings[name]
     args = {k: v for k, v in side.items() if k in SIDE_ENGINE_KEYS}

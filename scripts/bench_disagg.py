@@ -5,8 +5,10 @@ transfer numbers. Writes results/bench_disagg.md and prints it.
     python scripts/bench_disagg.py [--devices 8] [--num-requests 24] [--rate-long 1.0] ...
 
 Every engine gets the same 8 (forced) CPU devices: unified TP 2 x DP 4; disaggregated with
-decode TP 2 x DP 2 on 4 devices and prefill on the other 4, as TP 4 or as TP 2 x DP 2. Requests arrive as a Poisson process;
-every run follows a warm-up run of the same workload (all shapes compiled beforehand).
+decode TP 2 x DP 2 on 4 devices and prefill on the other 4, as TP 4 or as TP 2 x DP 2, in this
+process (KV copied device to device) or in a child process (KV bytes over loopback), with
+async scheduling on both sides (the default) and, once, off. Requests arrive as a Poisson
+process; every run follows a warm-up run of the same workload (all shapes compiled before).
 On a CPU host the "devices" share the same cores, so the two sides of the disaggregated engine
 do not really run in parallel here: read the rows as a comparison within one run.
 """
@@ -65,7 +67,7 @@ class Run:
     extra: dict
 
 
-def run(engine, workload: Workload, tag: str) -> Run:  # noqa: ANN001 (LLMEngine)
+def run(engine, workload: Workload, tag: str) -> Run:
     from jaxserve import SamplingParams
 
     start = time.time()
@@ -95,21 +97,23 @@ def run(engine, workload: Workload, tag: str) -> Run:  # noqa: ANN001 (LLMEngine
                sum(len(o.outputs[0].token_ids) for o in done.values()), {})
 
 
-def measure(engine, workloads: list[Workload], label: str) -> dict[str, Run]:  # noqa: ANN001
+def measure(engine, workloads: list[Workload], label: str) -> dict[str, Run]:
     results = {}
     for w in workloads:
         run(engine, w, f"warm-{w.name}")  # compiles nothing new, warms caches
         before = engine.stats()
         result = run(engine, w, w.name)
         after = engine.stats()
-        if hasattr(after, "num_transfers"):
-            n = after.num_transfers - before.num_transfers
-            split = engine.core.ttft_splits
-            recent = list(split)[-n:] if n else []
+        if after.kv_transfer is not None:
+            kv, kv0 = after.kv_transfer, before.kv_transfer
+            n = kv.num_transfers - kv0.num_transfers
+            recent = list(engine.core.connector.ttft_splits)[-n:] if n else []
             result.extra = {
                 "transfers": n,
-                "MiB moved": (after.transfer_bytes - before.transfer_bytes) / 2**20,
-                "ms per transfer": 1e3 * (after.transfer_seconds - before.transfer_seconds)
+                "MiB moved": (kv.transfer_bytes - kv0.transfer_bytes) / 2**20,
+                "decode-side prefix hits (tokens)": (after.prefix_cache_hits
+                                                     - before.prefix_cache_hits),
+                "ms per transfer": 1e3 * (kv.transfer_seconds - kv0.transfer_seconds)
                 / max(n, 1),
                 "prefill / transfer / first decode (ms, mean)": " / ".join(
                     f"{1e3 * np.mean([getattr(s, f) for s in recent]):.0f}"
@@ -140,15 +144,24 @@ def table(all_results: dict[str, dict[str, Run]], workloads: list[Workload]) -> 
     return "\n".join(lines)
 
 
+DECODE = {"num_devices": 4, "tensor_parallel_size": 2, "data_parallel_size_local": 2}
 ENGINES = {  # label -> engine arguments on top of ENGINE
     "unified TP2xDP4": dict(tensor_parallel_size=2, data_parallel_size_local=4,
                             long_prefill_token_threshold=128),
     "disagg P TP4 / D TP2xDP2": dict(disaggregation={
-        "prefill": {"num_devices": 4},
-        "decode": {"num_devices": 4, "tensor_parallel_size": 2, "data_parallel_size_local": 2}}),
+        "prefill": {"num_devices": 4}, "decode": DECODE}),
+    "disagg P TP4 / D TP2xDP2, async off": dict(async_scheduling=False, disaggregation={
+        "prefill": {"num_devices": 4}, "decode": DECODE}),
     "disagg P TP2xDP2 / D TP2xDP2": dict(disaggregation={
         "prefill": {"num_devices": 4, "tensor_parallel_size": 2, "data_parallel_size_local": 2},
-        "decode": {"num_devices": 4, "tensor_parallel_size": 2, "data_parallel_size_local": 2}}),
+        "decode": DECODE}),
+    # The prefill side in a child process with its own 4 devices; decode on devices 4-7 here.
+    "disagg P TP4 / D TP2xDP2, 2 processes, JAX transfer": dict(disaggregation={
+        "connector": "socket", "kv_transport": "jax_transfer", "prefill": {"num_devices": 4},
+        "decode": {**DECODE, "devices": [4, 5, 6, 7]}}),
+    "disagg P TP4 / D TP2xDP2, 2 processes, bytes": dict(disaggregation={
+        "connector": "socket", "kv_transport": "bytes", "prefill": {"num_devices": 4},
+        "decode": {**DECODE, "devices": [4, 5, 6, 7]}}),
 }
 
 
@@ -184,7 +197,8 @@ def report(all_results: dict[str, dict[str, Run]], workloads: list[Workload],
         table(all_results, workloads), "",
         "Disaggregated engines, per measured run. The TTFT split is of the time to the second "
         "token: arrival -> first token on the prefill side (the TTFT above) -> KV moved and "
-        "request admitted on the decode side -> second token.", "",
+        "request admitted on the decode side -> second token. Blocks whose prompt prefix the "
+        "decode side already holds (its prefix cache) are not moved.", "",
         transfer_table(all_results, workloads), "",
         "Caveat: the 8 devices are virtual CPU devices sharing this machine's cores, so the "
         "prefill and decode sides compete for the same CPUs instead of running side by side, "
@@ -219,8 +233,7 @@ def main() -> None:
         engine = LLMEngine(EngineConfig.from_kwargs(**base, **extra))
         print(f"{label}: built and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
         all_results[label] = measure(engine, workloads, label)
-        if hasattr(engine.core, "close"):
-            engine.core.close()
+        engine.core.close()
         del engine
     text = report(all_results, workloads, args)
     Path(args.out).write_text(text)

@@ -81,10 +81,14 @@ class KVCacheManager:
             return [], 0
         hits = self.find_cached_prefix(request)
         num_hit_tokens = len(hits) * self.block_size
+        self.record_query(request, num_hit_tokens)
+        return hits, num_hit_tokens
+
+    def record_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one prefix lookup in the hit-rate stats (a resumed request's is not new)."""
         if request.num_preemptions == 0:
             self.total_stats.record(request.num_tokens, num_hit_tokens)
             self._interval_stats.record(request.num_tokens, num_hit_tokens)
-        return hits, num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[int] | None:
@@ -113,25 +117,6 @@ class KVCacheManager:
         if hits:
             self.num_cached_blocks[request.request_id] = len(hits)
         return [block.block_id for block in hits] + [block.block_id for block in new_blocks]
-
-    def allocate_external(self, request: Request, num_external_tokens: int,
-                          num_new_tokens: int) -> list[int] | None:
-        """First allocation of a request whose first `num_external_tokens` tokens' KV is
-        written from outside (a disaggregated prefill's KV transfer): blocks for those tokens
-        plus `num_new_tokens`. Returns the ids, or None with nothing changed when the pool is
-        short. The blocks become hittable through `cache_blocks` once a step has run on them."""
-        if num_external_tokens < 1 or num_new_tokens < 0:
-            raise ValueError(f"num_external_tokens must be >= 1 and num_new_tokens >= 0, got "
-                             f"{num_external_tokens} and {num_new_tokens}")
-        if self.req_to_blocks.get(request.request_id) or request.num_computed_tokens:
-            raise ValueError(f"request {request.request_id} already holds blocks or computed "
-                             "tokens; external tokens are only for its first allocation")
-        num_required = -(-(num_external_tokens + num_new_tokens) // self.block_size)
-        if num_required > self.block_pool.get_num_free_blocks():
-            return None
-        blocks = self.block_pool.get_new_blocks(num_required)
-        self.req_to_blocks[request.request_id] = blocks
-        return [block.block_id for block in blocks]
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Make the request's full blocks within its first `num_computed_tokens` tokens hittable.

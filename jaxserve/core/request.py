@@ -11,6 +11,9 @@ from jaxserve.core.block_hash import HASH_NBYTES, BlockHash, extend_block_hashes
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Disaggregated decode: the prompt's KV and first token come from a prefill engine; the
+    # request waits (skipped by admission) until they are in its blocks.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Every status after PREEMPTED is a finished one.
@@ -38,6 +41,12 @@ _FINISHED_REASONS = {
 }
 
 
+class KVTransfer(enum.Enum):
+    """A request's part in disaggregated prefill/decode (None: computed here, start to end)."""
+    SEND = "send"  # prefill side: after its first token, hold its blocks until they are read
+    RECEIVE = "receive"  # decode side: its first token and prompt KV come from the prefill side
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """Construct with keyword arguments:
@@ -45,7 +54,7 @@ class Request:
     Request(request_id=..., prompt_token_ids=..., sampling_params=..., arrival_time=...,
             block_size=cache_block_size, hash_seed=kv_cache_manager.root_hash,
             priority=0, cache_salt=None, lora_name=None, max_tokens=2**31 - 1, seed=0,
-            group_id=None)
+            group_id=None, kv_transfer=None)
 
     `all_token_ids` and `block_hashes` are derived (not constructor arguments) and kept current
     by `append_output_token_ids`; `block_hashes` holds the chained hash of every full block.
@@ -74,6 +83,7 @@ class Request:
     max_tokens: int = 2**31 - 1  # output tokens allowed, already capped by max_model_len
     seed: int = 0  # the sampler's per-request seed
     group_id: str | None = None  # the parent request of n > 1 samples, which share the prompt
+    kv_transfer: KVTransfer | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

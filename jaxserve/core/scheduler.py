@@ -11,14 +11,21 @@ of the waiting queue (its prefix usually comes back from the cache).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput,
-                                            ModelRunnerOutput, NewRequestData, SchedulerOutput)
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request import KVTransfer, Request, RequestStatus
+from jaxserve.core.scheduler_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    KVLoad,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 
 @dataclass(slots=True)
@@ -34,8 +41,10 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 max_model_len: int, eos_token_ids: Iterable[int], hash_seed: int | None):
+                 max_model_len: int, eos_token_ids: Iterable[int], hash_seed: int | None,
+                 max_sending: int = 0):
         self.config = config
+        self.max_sending = max_sending  # > 0: admit nothing while this many blocks wait to go
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
@@ -52,16 +61,20 @@ class Scheduler:
         self._unsettled: dict[str, int] = {}
         self._num_updated = 0
         self._phase: str | None = None
-        # Disaggregated decode: requests whose blocks wait for a KV transfer, and transferred
-        # requests the worker has not been sent yet.
-        self._reserved: dict[str, Request] = {}
-        self._transferred: list[NewRequestData] = []
+        # Disaggregated prefill: finished requests (KVTransfer.SEND) whose blocks wait to be
+        # read by the decode side. Disaggregated decode: waiting requests holding blocks (their
+        # KV on its way, or arrived), which take seats; and this step's loads to start.
+        self.sending: dict[str, Request] = {}
+        self._holding: set[str] = set()
+        self._loads: list[KVLoad] = []
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in this scheduler")
         self.requests[request.request_id] = request
+        if request.kv_transfer is KVTransfer.RECEIVE:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         if self.config.scheduling_policy == "priority":
             key = (request.priority, request.arrival_time)
             pos = next((i for i, r in enumerate(self.waiting)
@@ -87,7 +100,12 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
+        self._holding.discard(request.request_id)
+        if request.kv_transfer is KVTransfer.SEND and status in (
+                RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+            self.sending[request.request_id] = request  # `release_sent` frees the blocks
+        else:
+            self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         self._unsettled[request.request_id] = self.num_steps
@@ -112,8 +130,6 @@ class Scheduler:
         if not preempted and self._phase != "decode":
             budget = self._admit_waiting(budget, num_scheduled, new_reqs, prefills)
 
-        if self._transferred:
-            new_reqs.extend(self._pop_transferred())
         sampling: set[str] = set()
         for request in self.running:  # tokens count as computed from now on
             num_new = num_scheduled.get(request.request_id, 0)
@@ -127,8 +143,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted,
-            sampling_req_ids=sampling, step=self.num_steps)
-        self.finished_req_ids = set()
+            sampling_req_ids=sampling, step=self.num_steps, kv_loads=self._loads)
+        self.finished_req_ids, self._loads = set(), []
         self.num_steps += 1
         return out
 
@@ -178,18 +194,32 @@ class Scheduler:
                       if r.num_computed_tokens < r.num_prompt_tokens}
         # Every admission counts as a prefill, checked before the prefix lookup (which would
         # count a query in the hit-rate stats on every step the cap holds the request back).
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
-                and not self._prefill_cap_reached(prefills):
+        while self.waiting and budget > 0 and not self._prefill_cap_reached(prefills):
             request = self.waiting[0]
+            holds_blocks = request.request_id in self._holding
+            seats = len(self.running) + len(self._holding) - holds_blocks
+            if seats >= self.config.max_num_seqs or 0 < self.max_sending <= len(self.sending):
+                break
             if self._unsettled.get(request.request_id, 0) > self._num_updated:
                 deferred.append(self.waiting.popleft())  # its id's old owner is in flight
+                continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # No first token yet, or its KV on the way: skip it. Else take its blocks now
+                # (or stop here, first come first served, when the pool is full).
+                if request.num_output_tokens and not holds_blocks \
+                        and not self._allocate_for_load(request):
+                    break
+                deferred.append(self.waiting.popleft())
                 continue
             if request.group_id is not None and request.group_id in prefilling:
                 # A sibling (n > 1) is computing the shared prompt: wait one step, then hit
                 # its blocks in the prefix cache instead of computing the prompt again.
                 deferred.append(self.waiting.popleft())
                 continue
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if holds_blocks:  # its KV was moved here from the prefill side
+                hit_blocks, num_hit = [], request.num_computed_tokens
+            else:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if self.config.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
@@ -200,6 +230,7 @@ class Scheduler:
             if block_ids is None:
                 break
             self.waiting.popleft()
+            self._holding.discard(request.request_id)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
@@ -274,60 +305,54 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    # ---- disaggregated prefill/decode ----------------------------------------------------
-    def detach_request(self, request_id: str) -> Request:
-        """Prefill side: take a running request out WITHOUT freeing its blocks, because a KV
-        transfer reads them next; the caller releases them with `kv.free(request)`."""
-        request = self.requests.pop(request_id)
-        self.running.remove(request)
-        self.finished_req_ids.add(request_id)  # the worker drops its state
-        return request
+    # ---- disaggregated prefill/decode -------------------------------------------------------
+    def _allocate_for_load(self, request: Request) -> bool:
+        """Decode side: blocks for a request whose first token came from the prefill side
+        (prompt + that token), hitting this side's prefix cache first; the prompt blocks past
+        the hit become a KVLoad of this step. False, with nothing changed, when the pool is
+        full (the lookup counts in the stats once it succeeds: it is retried every step)."""
+        hits = self.kv.find_cached_prefix(request)
+        num_hit = len(hits) * self.kv.block_size
+        if self.kv.allocate_slots(request, request.num_tokens - num_hit, hits) is None:
+            return False
+        self.kv.record_query(request, num_hit)
+        self._holding.add(request.request_id)
+        request.num_computed_tokens = num_hit
+        first, end = num_hit // self.kv.block_size, -(-(request.num_tokens - 1) // self.kv.block_size)
+        block_ids = self.kv.get_block_ids(request.request_id)[first:end]
+        if block_ids:
+            self._loads.append(KVLoad(request.request_id, block_ids, first))
+        else:  # the whole prompt was a hit here: nothing to move
+            self.finish_loading(request.request_id)
+        return True
 
-    def reserve_transfer(self, request: Request) -> list[int] | None:
-        """Decode side: allocate blocks for a request whose tokens but the last have their KV
-        computed elsewhere (prompt + first output token), plus room for that last token.
-        None, with nothing changed, when the pool or max_num_seqs is full (back-pressure)."""
-        if request.request_id in self.requests or request.request_id in self._reserved:
-            raise ValueError(f"request_id {request.request_id!r} is already in this scheduler")
-        if len(self.running) + len(self._reserved) >= self.config.max_num_seqs:
-            return None
-        block_ids = self.kv.allocate_external(request, request.num_tokens - 1, 1)
-        if block_ids is not None:
-            self._reserved[request.request_id] = request
-        return block_ids
-
-    def admit_transferred(self, request_id: str) -> None:
-        """Start a reserved request once its KV is written (or its write is dispatched ahead
-        of the next step): it runs on from its last token as if the rest were a prefix hit."""
-        request = self._reserved.pop(request_id)
+    def finish_loading(self, request_id: str) -> None:
+        """Decode side: a request's prompt KV is in its blocks (or its write is dispatched
+        ahead of the next step): it is admitted like a prefix hit of all but its last token."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return  # aborted while its KV was on the way
+        request.status = RequestStatus.WAITING
+        request.kv_transfer = None
         request.num_computed_tokens = request.num_tokens - 1
-        request.status = RequestStatus.RUNNING
-        self.requests[request_id] = request
-        self.running.append(request)
-        self._transferred.append(NewRequestData(
-            req_id=request_id, token_ids=list(request.all_token_ids),
-            num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.sampling_params,
-            seed=request.seed, num_output_tokens=request.num_output_tokens,
-            block_ids=self.kv.get_block_ids(request_id),
-            num_computed_tokens=request.num_computed_tokens))
 
-    def cancel_reservation(self, request_id: str) -> bool:
-        """Free a reserved request's blocks (aborted before its KV arrived)."""
-        request = self._reserved.pop(request_id, None)
+    def accept_remote_token(self, output: EngineCoreOutput) -> EngineCoreOutput | None:
+        """Decode side: the first token, sampled by the prefill side, applied as if sampled here
+        (stop checks included). None when the request is gone (aborted meanwhile)."""
+        request = self.requests.get(output.request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS \
+                or request.num_output_tokens:
+            return None
+        request.num_cached_tokens = output.num_cached_tokens
+        logprobs = output.new_logprobs[0] if output.new_logprobs else None
+        return self._append_token(request, output.new_token_ids[0], logprobs)
+
+    def release_sent(self, request_id: str) -> None:
+        """Prefill side: free a finished request's blocks once read (or no longer wanted); they
+        stay in the prefix cache."""
+        request = self.sending.pop(request_id, None)
         if request is not None:
             self.kv.free(request)
-        return request is not None
-
-    @property
-    def num_reserved(self) -> int:
-        return len(self._reserved)
-
-    def _pop_transferred(self) -> list[NewRequestData]:
-        # Drop the ones aborted or preempted since admission: the worker must not keep them.
-        new = [n for n in self._transferred if n.req_id in self.requests
-               and self.requests[n.req_id].status == RequestStatus.RUNNING]
-        self._transferred = []
-        return new
 
     # ---- after the step ------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput,
@@ -347,17 +372,23 @@ class Scheduler:
             if req_id not in sched.sampling_req_ids:
                 continue  # a prefill chunk: its sampled token is not real
             request.num_output_placeholders -= 1
-            request.append_output_token_ids(token)
-            status = self._check_stop(request, token)
-            out = EngineCoreOutput(req_id, [token], [lp] if lp is not None else [],
-                                   num_cached_tokens=max(request.num_cached_tokens, 0))
-            if status is not None:
-                self.running.remove(request)
-                self._free(request, status)
-                out.finish_reason = RequestStatus.get_finished_reason(status)
-                out.stop_reason = request.stop_reason
-            outputs.append(out)
+            outputs.append(self._append_token(request, token, lp))
         return outputs
+
+    def _append_token(self, request: Request, token: int,
+                      logprobs: Logprobs | None) -> EngineCoreOutput:
+        request.append_output_token_ids(token)
+        status = self._check_stop(request, token)
+        out = EngineCoreOutput(request.request_id, [token],
+                               [logprobs] if logprobs is not None else [],
+                               num_cached_tokens=max(request.num_cached_tokens, 0))
+        if status is not None:
+            (self.running if request.status == RequestStatus.RUNNING
+             else self.waiting).remove(request)
+            self._free(request, status)
+            out.finish_reason = RequestStatus.get_finished_reason(status)
+            out.stop_reason = request.stop_reason
+        return out
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -28,6 +28,16 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class KVLoad:
+    """Disaggregated decode: blocks allocated this step for a request's prompt KV, to be filled
+    from the prefill side's blocks of the same positions (those before `first_block` were hit
+    in this side's prefix cache and are not moved)."""
+    req_id: str
+    block_ids: list[int]  # this side's blocks for prompt blocks first_block, first_block + 1, ..
+    first_block: int
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -39,6 +49,7 @@ class SchedulerOutput:
     # (the others are prefill chunks, whose sample is dropped).
     sampling_req_ids: set[str] = field(default_factory=set)
     step: int = 0  # the scheduler's count of steps before this one
+    kv_loads: list[KVLoad] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

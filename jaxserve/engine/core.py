@@ -13,19 +13,26 @@ A step that raises while it is prepared, launched or read back fails the request
 (finish reason "error", blocks freed) and the engine goes on, unless the device state is lost
 (the KV cache or the last sampled ids can no longer be read): then `DeviceStateLostError`.
 A compilation that strict_compile forbids is raised as it is.
+
+Disaggregated prefill/decode is this same core on each side. The prefill side's requests
+(KVTransfer.SEND, one output token) keep their blocks after the first token until the decode
+side has read them. The decode side has a KV connector: its requests wait for their first token
+and prompt KV from the prefill side (received before each schedule, like vLLM's
+WAITING_FOR_REMOTE_KVS), and then run on as if that prompt had been a prefix-cache hit.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request import KVTransfer, Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.engine.dp_router import DPRouter
+from jaxserve.engine.kv_connector import KVConnector, KVTransferStats
 from jaxserve.executor.executor import Executor
 from jaxserve.executor.model_runner import PendingStep, UnexpectedCompilationError
 from jaxserve.models.loaded_model import LoadedModel
@@ -51,14 +58,26 @@ class EngineStats:
     warm_up_seconds: float
     # Wall seconds per step phase since start, summed over ranks (see core/step_timing.py).
     step_seconds: dict[str, float]
+    kv_transfer: KVTransferStats | None = None  # disaggregated decode: the prefill side, moves
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+@dataclass(slots=True)
+class InFlight:
+    """A launched step: every rank's schedule and pending device work (or what failed)."""
+    scheds: list[SchedulerOutput]
+    pending: list[PendingStep | None]
+    failed: list[EngineCoreOutput] = field(default_factory=list)
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 connector: KVConnector | None = None, max_sending: int = 0):
+        """`connector`: this is a disaggregated decode side. `max_sending` > 0: a prefill side
+        that admits nothing while that many requests' blocks wait to be read."""
         self.config = config
         self.executor = Executor(config, loaded)
         worker = self.executor.worker
@@ -73,14 +92,19 @@ class EngineCore:
         self.schedulers = [
             Scheduler(config.scheduler, config.cache, w.num_blocks, w.max_model_len,
                       self.model_config.eos_token_ids,
-                      hash_seed=config.model.seed if hash_seed is None else hash_seed)
+                      hash_seed=config.model.seed if hash_seed is None else hash_seed,
+                      max_sending=max_sending)
             for w in self.executor.workers]
         self.router = DPRouter(self.schedulers)
         self.num_steps = 0
         self.timings = StepTimings()  # schedule and update; the runners time their phases
-        self._in_flight: tuple[list[SchedulerOutput], list[PendingStep | None]] | None = None
+        self._in_flight: InFlight | None = None
         warm = config.runner.precompile or config.runner.compiled_dir is not None
         self.warm_up_seconds = self.executor.warm_up() if warm else 0.0
+        self.connector = connector
+        if connector is not None:
+            self.warm_up_seconds += connector.bind(self.executor, self.root_hash,
+                                                   warm=config.runner.precompile)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -91,7 +115,11 @@ class EngineCore:
         return self.schedulers[0].kv.root_hash  # equal on every rank: one hash seed
 
     def add_request(self, request: Request) -> None:
+        if self.connector is not None:
+            request.kv_transfer = KVTransfer.RECEIVE
         self.schedulers[self.router.route(request)].add_request(request)
+        if self.connector is not None:
+            self.connector.add_request(request)
 
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -100,6 +128,8 @@ class EngineCore:
             if rank is not None:
                 self.schedulers[rank].finish_requests([req_id], status)
                 self.router.forget(req_id)
+        if self.connector is not None:
+            self.connector.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.schedulers)
@@ -109,21 +139,81 @@ class EngineCore:
         of this one."""
         outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None and self._needs_host_history():
-            outputs += self._finish(*self._in_flight)
+            outputs += self.finish(self._in_flight)
             self._in_flight = None
-        with self.timings.phase("schedule"):
-            scheds = [s.schedule() for s in self.schedulers]
-        previous, self._in_flight = self._in_flight, None
-        try:
-            self._in_flight = (scheds, self.executor.dispatch(scheds))
-        except Exception as exc:  # noqa: BLE001 (fails this step's requests, or re-raised)
-            outputs += self._fail_step(scheds, exc)
+        if self.connector is not None:
+            outputs += self._receive()
+        launched = self.launch()
+        outputs += launched.failed  # now, not a step later: its requests are finished already
+        previous, self._in_flight = self._in_flight, None if launched.failed else launched
         if previous is not None:
-            outputs += self._finish(*previous)
+            outputs += self.finish(previous)
         if not self.config.scheduler.async_scheduling and self._in_flight is not None:
-            outputs += self._finish(*self._in_flight)
+            outputs += self.finish(self._in_flight)
             self._in_flight = None
         self.num_steps += 1
+        return outputs
+
+    def launch(self) -> InFlight:
+        """Schedule every rank and launch its step without waiting for the device."""
+        with self.timings.phase("schedule"):
+            scheds = [s.schedule() for s in self.schedulers]
+        if self.connector is not None:
+            for rank, sched in enumerate(scheds):
+                if sched.kv_loads:
+                    self.connector.start_loads(rank, sched.kv_loads)
+        try:
+            in_flight = InFlight(scheds, self.executor.dispatch(scheds))
+        except Exception as exc:  # noqa: BLE001 (fails this step's requests, or re-raised)
+            in_flight = InFlight(scheds, [], self._fail_step(scheds, exc))
+        if self.connector is not None:
+            self.connector.start_step()  # an in-process prefill side steps while ours runs
+        return in_flight
+
+    def finish(self, in_flight: InFlight) -> list[EngineCoreOutput]:
+        """Wait for a launched step and apply its tokens."""
+        if in_flight.failed:
+            return in_flight.failed
+        try:
+            results = self.executor.collect(in_flight.pending)
+        except Exception as exc:  # noqa: BLE001 (fails this step's requests, or re-raised)
+            return self._fail_step(in_flight.scheds, exc)
+        outputs: list[EngineCoreOutput] = []
+        with self.timings.phase("update"):
+            for scheduler, sched, result in zip(self.schedulers, in_flight.scheds, results):
+                for out in scheduler.update_from_output(sched, result):
+                    if out.finish_reason is not None:
+                        self.router.forget(out.request_id)
+                    outputs.append(out)
+        if self.connector is not None:
+            self.connector.record_outputs(outputs)
+        return outputs
+
+    def _receive(self) -> list[EngineCoreOutput]:
+        """Disaggregated decode, before scheduling: first tokens from the prefill side (applied
+        as if sampled here) and the requests whose prompt KV has landed in their blocks."""
+        events = self.connector.poll(idle=not any(s.running for s in self.schedulers))
+        outputs: list[EngineCoreOutput] = []
+        with self.timings.phase("update"):
+            for first in events.first_tokens:
+                rank = self.router.rank_of(first.request_id)
+                if rank is None:
+                    continue  # aborted while its first token was on the way
+                if not first.new_token_ids:  # the prefill step failed: so does the request
+                    self.schedulers[rank].finish_requests([first.request_id],
+                                                          RequestStatus.FINISHED_ERROR)
+                    self.router.forget(first.request_id)
+                    outputs.append(first)
+                    continue
+                out = self.schedulers[rank].accept_remote_token(first)
+                if out is None:
+                    continue
+                if out.finish_reason is not None:
+                    self.router.forget(out.request_id)
+                    self.connector.release([out.request_id])
+                outputs.append(out)
+            for rank, req_id in events.loaded:
+                self.schedulers[rank].finish_loading(req_id)
         return outputs
 
     def _fail_step(self, scheds: list[SchedulerOutput], exc: Exception,
@@ -142,21 +232,6 @@ class EngineCore:
             for req_id in ids:
                 self.router.forget(req_id)
                 outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=error))
-        return outputs
-
-    def _finish(self, scheds: list[SchedulerOutput],
-                pending: list[PendingStep | None]) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
-        try:
-            results = self.executor.collect(pending)
-        except Exception as exc:  # noqa: BLE001 (fails this step's requests, or re-raised)
-            return self._fail_step(scheds, exc)
-        with self.timings.phase("update"):
-            for scheduler, sched, result in zip(self.schedulers, scheds, results):
-                for out in scheduler.update_from_output(sched, result):
-                    if out.finish_reason is not None:
-                        self.router.forget(out.request_id)
-                    outputs.append(out)
         return outputs
 
     def _needs_host_history(self) -> bool:
@@ -178,7 +253,12 @@ class EngineCore:
             num_compilations=sum(w.runner.num_compilations for w in self.executor.workers),
             warm_up_seconds=self.warm_up_seconds,
             step_seconds=self.timings.merged(
-                *(w.runner.timings for w in self.executor.workers)).seconds)
+                *(w.runner.timings for w in self.executor.workers)).seconds,
+            kv_transfer=None if self.connector is None else self.connector.stats())
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
 
 
 def check_pool_holds_a_sequence(num_blocks: int, max_model_len: int, block_size: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.request import RequestStatus
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import EngineCore, EngineStats
 from jaxserve.engine.input_processor import InputProcessor, PromptType
@@ -12,7 +13,6 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.models.loaded_model import LoadedModel
 from jaxserve.models.tokenizer import Tokenizer, load_hf_tokenizer
 from jaxserve.outputs import RequestOutput
-from jaxserve.core.request import RequestStatus
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -33,7 +33,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs | None = None,
-                         **kwargs: Any) -> "LLMEngine":
+                         **kwargs: Any) -> LLMEngine:
         """As vLLM: `LLMEngine.from_engine_args(EngineArgs(model=...))`; or the arguments
         themselves (`from_engine_args(model=...)`)."""
         return cls(EngineArgs.of(engine_args, kwargs).create_engine_config())
@@ -97,10 +97,9 @@ def _tokenizer(config: EngineConfig, own: Tokenizer | None, model: Any) -> Token
 
 
 def make_engine_core(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:
-    """The unified EngineCore, or the disaggregated one when `disaggregation` is configured
-    (same interface: add_request, abort_requests, step, has_unfinished_requests, stats)."""
+    """The EngineCore; with `disaggregation`, the decode side's, connected to a prefill side."""
     if config.parallel.disaggregation is not None:
-        from jaxserve.engine.disagg.core import DisaggregatedEngineCore
+        from jaxserve.engine.disagg.decode_core import make_decode_core
 
-        return DisaggregatedEngineCore(config, loaded)  # type: ignore[return-value]
+        return make_decode_core(config, loaded)
     return EngineCore(config, loaded)

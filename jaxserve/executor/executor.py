@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -29,15 +30,33 @@ class Executor:
     def worker(self) -> Worker:
         return self.workers[0]
 
-    def execute_model(self, scheds: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
-        return self.collect(self.dispatch(scheds))
-
     def dispatch(self, scheds: list[SchedulerOutput]) -> list[PendingStep | None]:
         """Launch every rank's step without waiting (another engine's step can run meanwhile)."""
-        return [w.runner.dispatch(s) for w, s in zip(self.workers, scheds)]
+        return [w.dispatch(s) for w, s in zip(self.workers, scheds)]
 
     def collect(self, pending: list[PendingStep | None]) -> list[ModelRunnerOutput]:
-        return [w.runner.collect(p) for w, p in zip(self.workers, pending)]
+        return [w.collect(p) for w, p in zip(self.workers, pending)]
+
+    # ---- whole KV blocks in and out (disaggregated prefill/decode) ------------------------
+    def read_blocks(self, rank: int, block_ids: list[int], heads: tuple[int, ...],
+                    ) -> tuple[jax.Array, jax.Array]:
+        return self.workers[rank].read_blocks(block_ids, heads)
+
+    def write_blocks(self, rank: int, block_ids: list[int], k: jax.Array | np.ndarray,
+                     v: jax.Array | np.ndarray) -> None:
+        self.workers[rank].write_blocks(block_ids, k, v)
+
+    def kv_sharding(self, rank: int) -> jax.sharding.Sharding:
+        return self.workers[rank].kv_sharding
+
+    def kv_cache_geometry(self) -> tuple[int, int, int, int, int, int]:
+        """(layers, KV heads, blocks, block size, head dim, bytes per element) of rank 0's cache."""
+        cache = self.worker.runner.k_cache
+        return (*cache.shape, cache.dtype.itemsize)
+
+    def warm_up_blocks(self, heads: tuple[int, ...] | None, write: bool) -> None:
+        for w in self.workers:
+            w.warm_up_blocks(heads, write)
 
     def device_state_lost(self) -> bool:
         """Whether a worker's KV cache or last sampled ids are gone or hold an error (a failed

@@ -22,7 +22,7 @@ from jaxserve.executor.sharding import (AXIS, expand_kv_heads, kv_cache_sharding
                                            param_sharding, validate_tensor_parallel)
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compiled_dir import KV_INIT
-from jaxserve.executor.model_runner import ModelRunner, dtype_of
+from jaxserve.executor.model_runner import ModelRunner, PendingStep, dtype_of
 from jaxserve.executor.step_program import kv_blocks_for, largest_step_temp_bytes
 from jaxserve.layers.attention import AttentionBackend, get_attention_backend, validate_backend
 from jaxserve.models.checkpoint_io import load_converted, read_converted_config
@@ -165,5 +165,19 @@ class Worker:
                              "lower max_model_len or raise the memory budget")
         return num_blocks
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(sched)
+    def dispatch(self, sched: SchedulerOutput) -> PendingStep | None:
+        return self.runner.dispatch(sched)
+
+    def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
+        return self.runner.collect(pending)
+
+    def read_blocks(self, block_ids: list[int], heads: tuple[int, ...],
+                    ) -> tuple[jax.Array, jax.Array]:
+        return self.runner.read_blocks(block_ids, heads)
+
+    def write_blocks(self, block_ids: list[int], k: jax.Array | np.ndarray,
+                     v: jax.Array | np.ndarray) -> None:
+        self.runner.write_blocks(block_ids, k, v)
+
+    def warm_up_blocks(self, heads: tuple[int, ...] | None, write: bool) -> None:
+        self.runner.warm_up_blocks(heads, write)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 from engine_helpers import random_prompts
+
 from jaxserve import SamplingParams
+from jaxserve.engine.disagg.connector import InProcessConnector
 
 # Few step shapes (each costs seconds to compile): one token bucket, one request bucket.
 ENGINE = dict(max_model_len=128, num_kv_blocks=64, block_size=16, max_num_seqs=16,
@@ -38,33 +40,34 @@ def prefix_prompt() -> list[int]:
     return random_prompts(1, 40, 40, seed=90)[0] + [3]
 
 
-def tokens(out) -> list[list[int]]:  # noqa: ANN001 (RequestOutput)
+def tokens(out) -> list[list[int]]:
     return [c.token_ids for c in out.outputs]
 
 
-def assert_no_disagg_leaks(engine) -> None:  # noqa: ANN001 (LLMEngine over the disagg core)
+def assert_no_disagg_leaks(engine) -> None:
     """Nothing left in flight, and every block free on both sides."""
     core = engine.core
-    assert not core.prefilling and not core.parked and not core.transferring
-    sides = [core.decode]
-    if hasattr(core.connector, "prefill"):  # in-process
-        assert not core.connector.prefill.parked
-        sides.append(core.connector.prefill.core)
+    connector = core.connector
+    assert not connector.prefilling and not connector.parked and not connector.transferring
+    sides = [core]
+    if isinstance(connector, InProcessConnector):
+        state = connector.prefill.state()
+        sides.append(connector.prefill.core)
     else:  # the prefill process reports its state after every message sent before
-        state = core.connector.state()
-        assert state["num_parked"] == 0 and state["num_requests"] == 0
-        assert state["num_block_owners"] == 0
-        assert state["num_free_blocks"] == [n - 1 for n in state["num_blocks"]]
+        state = connector.state()
+    assert state["num_holding"] == 0 and state["num_requests"] == 0
+    assert state["num_block_owners"] == 0
+    assert state["num_free_blocks"] == [n - 1 for n in state["num_blocks"]]
     for side in sides:
         for sched in side.schedulers:
             assert not sched.running and not sched.waiting and not sched.requests
-            assert sched.num_reserved == 0 and not sched.kv.req_to_blocks
+            assert not sched.sending and not sched.kv.req_to_blocks
             assert sched.kv.num_free_blocks == sched.kv.num_blocks - 1
         assert not side.router.routes and not side.router.groups
     assert not engine.output_processor.states
 
 
-def drain(engine, finished: dict, timeout_s: float = 600.0) -> None:  # noqa: ANN001
+def drain(engine, finished: dict, timeout_s: float = 600.0) -> None:
     """Step until nothing is left, recording finished outputs by request id."""
     deadline = time.monotonic() + timeout_s
     while engine.has_unfinished_requests():

@@ -7,12 +7,12 @@ import json
 import pytest
 
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.request import KVTransfer, Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.scheduler_output import ModelRunnerOutput
+from jaxserve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.disaggregation_config import side_config
-from jaxserve.core.request import Request
 from jaxserve.sampling_params import SamplingParams
+
 
 def _config(**kwargs: object) -> EngineConfig:
     return EngineConfig.from_kwargs(model="dummy", **kwargs)  # no model files are read
@@ -80,6 +80,8 @@ def test_side_config_applies_the_side_arguments_and_keeps_the_shared_ones():
     ({"prefill": {"devices": [0, 0]}}, "disaggregation.prefill.devices must be"),
     ({"prefill": {"devices": [0, 1], "num_devices": 3}}, "num_devices 3 != len"),
     ({"connector": "rdma"}, "disaggregation.connector must be one of"),
+    ({"connector": "socket", "kv_transport": "rdma"}, "disaggregation.kv_transport must be"),
+    ({"kv_transport": "bytes"}, "kv_transport applies to the socket connector only"),
     ({"decode": {"max_num_seqs": 0}}, "disaggregation.decode: max_num_seqs must be"),
     ({"max_pending_transfers": 0}, "max_pending_transfers must be an integer >= 1"),
     ("[1, 2", "not valid JSON/YAML"),
@@ -99,106 +101,140 @@ def test_disaggregation_rejects_engine_wide_devices_and_multi_host():
         _config(devices=[1, 1])
 
 
-# ---- scheduler and KV-cache-manager hooks ----------------------------------------------------
+# ---- the scheduler's hooks: receive before schedule, send after the first token -----------
 BS = 4
 
 
-def _scheduler(num_blocks: int = 12, max_num_seqs: int = 4) -> Scheduler:
+def _scheduler(num_blocks: int = 12, max_num_seqs: int = 4, max_sending: int = 0) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64),
-                     CacheConfig(block_size=BS), num_blocks, 64, [1], hash_seed=0)
+                     CacheConfig(block_size=BS), num_blocks, 64, [1], hash_seed=0,
+                     max_sending=max_sending)
 
 
-def _request(s: Scheduler, rid: str, prompt: list[int], outputs: list[int] = ()) -> Request:
+def _request(s: Scheduler, rid: str, prompt: list[int], role: KVTransfer | None = None,
+             max_tokens: int = 8) -> Request:
     return Request(request_id=rid, prompt_token_ids=prompt,
-                   sampling_params=SamplingParams(temperature=0.0, max_tokens=8),
+                   sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
                    arrival_time=0.0, block_size=BS, hash_seed=s.kv.root_hash,
-                   output_token_ids=list(outputs), max_tokens=8)
+                   max_tokens=max_tokens, kv_transfer=role)
 
 
-def test_allocate_external_takes_blocks_for_the_external_and_new_tokens_or_nothing():
-    mgr = KVCacheManager(5, BS)  # 4 usable blocks
-    a = Request(request_id="a", prompt_token_ids=list(range(8)), sampling_params=None,
-                arrival_time=0.0, block_size=BS, hash_seed=mgr.root_hash)
-    assert mgr.allocate_external(a, 8, 1) == [1, 2, 3]  # 9 tokens -> 3 blocks
-    b = Request(request_id="b", prompt_token_ids=list(range(8)), sampling_params=None,
-                arrival_time=0.0, block_size=BS, hash_seed=mgr.root_hash)
-    assert mgr.allocate_external(b, 8, 0) is None  # 2 needed, 1 free: nothing changes
-    assert mgr.num_free_blocks == 1 and "b" not in mgr.req_to_blocks
-    with pytest.raises(ValueError, match="already holds blocks"):
-        mgr.allocate_external(a, 8, 1)
-    mgr.free(a)
-    assert mgr.num_free_blocks == 4
+def _first_token(s: Scheduler, rid: str, token: int = 7, cached: int = 0) -> EngineCoreOutput:
+    out = s.accept_remote_token(EngineCoreOutput(rid, [token], num_cached_tokens=cached))
+    assert out is not None
+    return out
 
 
-def test_a_transferred_request_runs_on_from_its_last_token_like_a_prefix_hit():
+def test_a_received_request_waits_for_its_first_token_then_its_kv_then_runs_like_a_hit():
     s = _scheduler()
-    r = _request(s, "t", list(range(10)), outputs=[7])  # prompt KV transferred, 1 token out
-    block_ids = s.reserve_transfer(r)
-    assert block_ids is not None and len(block_ids) == 3  # 11 tokens
-    assert s.num_reserved == 1 and not s.running
-    s.admit_transferred("t")
+    r = _request(s, "t", list(range(10)), KVTransfer.RECEIVE)
+    s.add_request(r)
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    out = s.schedule()  # no first token yet: nothing happens
+    assert out.is_empty and not out.kv_loads and not s.kv.req_to_blocks
+    assert _first_token(s, "t", cached=4).finish_reason is None and r.output_token_ids == [7]
+    out = s.schedule()  # blocks for the prompt + the first token; the prompt's are loaded
+    assert out.is_empty and [(x.req_id, x.first_block) for x in out.kv_loads] == [("t", 0)]
+    held = s.kv.get_block_ids("t")
+    assert len(held) == 3 and out.kv_loads[0].block_ids == held  # 11 tokens; 10 moved
+    assert s.schedule().is_empty  # the KV is on its way
+    s.finish_loading("t")
     out = s.schedule()
-    assert [n.req_id for n in out.scheduled_new_reqs] == ["t"]
     new = out.scheduled_new_reqs[0]
-    assert (new.num_computed_tokens, new.block_ids, new.num_output_tokens) == (10, block_ids, 1)
-    assert out.num_scheduled_tokens == {"t": 1}  # only the first output token's KV
+    assert (new.req_id, new.num_computed_tokens, new.block_ids) == ("t", 10, held)
+    assert new.num_output_tokens == 1 and out.num_scheduled_tokens == {"t": 1}
     outputs = s.update_from_output(out, ModelRunnerOutput(["t"], [9]))
     assert outputs[0].new_token_ids == [9] and r.output_token_ids == [7, 9]
-    assert s.kv.num_cached_blocks["t"] == 2  # the transferred full blocks are hittable now
-    s.finish_requests(["t"], r.status.FINISHED_ABORTED)
+    assert outputs[0].num_cached_tokens == 4  # the prefill side's hit, reported as vLLM's
+    assert s.kv.num_cached_blocks["t"] == 2  # the moved full blocks are hittable now
+    s.finish_requests(["t"], RequestStatus.FINISHED_ABORTED)
     assert s.kv.num_free_blocks == 11
 
 
-def test_reservations_respect_max_num_seqs_and_the_pool_and_cancel_cleanly():
+def test_a_first_token_that_finishes_the_request_frees_it_without_blocks():
+    s = _scheduler()
+    s.add_request(_request(s, "eos", list(range(6)), KVTransfer.RECEIVE))
+    s.add_request(_request(s, "one", list(range(6)), KVTransfer.RECEIVE, max_tokens=1))
+    assert _first_token(s, "eos", token=1).finish_reason == "stop"  # 1 is the eos id
+    assert _first_token(s, "one").finish_reason == "length"
+    assert not s.has_unfinished_requests() and not s.kv.req_to_blocks
+    assert s.accept_remote_token(EngineCoreOutput("eos", [3])) is None  # gone: ignored
+
+
+def test_decode_prefix_hits_cut_what_is_moved():
+    s = _scheduler()
+    s.add_request(_request(s, "a", list(range(10)), KVTransfer.RECEIVE))
+    _first_token(s, "a")
+    s.schedule()
+    s.finish_loading("a")
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(["a"], [9]))  # a's full blocks now cached
+    s.add_request(_request(s, "b", list(range(9)) + [50], KVTransfer.RECEIVE))
+    _first_token(s, "b")
+    out = s.schedule()
+    load = next(x for x in out.kv_loads if x.req_id == "b")
+    assert load.first_block == 2  # tokens 0-7 hit here: only block 2 (tokens 8, 9) moves
+    assert load.block_ids == s.kv.get_block_ids("b")[2:3]
+
+
+def test_loads_respect_max_num_seqs_and_the_pool_and_aborts_free_cleanly():
     s = _scheduler(num_blocks=6, max_num_seqs=2)  # 5 usable blocks
-    a, b, c = (_request(s, x, list(range(7)), [1]) for x in "abc")  # 2 blocks each
-    assert s.reserve_transfer(a) is not None and s.reserve_transfer(b) is not None
-    assert s.reserve_transfer(c) is None  # max_num_seqs
-    assert s.cancel_reservation("b") and not s.cancel_reservation("b")
-    big = _request(s, "big", list(range(20)), [1])  # 6 blocks > 3 free
-    assert s.reserve_transfer(big) is None and s.kv.num_free_blocks == 3
-    with pytest.raises(ValueError, match="already in this scheduler"):
-        s.reserve_transfer(a)
-    s.cancel_reservation("a")
-    assert s.kv.num_free_blocks == 5 and not s.kv.req_to_blocks
-
-
-def test_an_admitted_request_aborted_before_scheduling_never_reaches_the_worker():
-    s = _scheduler()
-    r = _request(s, "t", list(range(6)), [3])
-    s.reserve_transfer(r)
-    s.admit_transferred("t")
-    s.finish_requests(["t"], r.status.FINISHED_ABORTED)
+    a, b, c = (_request(s, x, list(range(7)), KVTransfer.RECEIVE) for x in "abc")
+    for r in (a, b, c):
+        s.add_request(r)
+        _first_token(s, r.request_id)
     out = s.schedule()
-    assert not out.scheduled_new_reqs and out.finished_req_ids == {"t"}
-    assert s.kv.num_free_blocks == 11
-
-
-def test_detach_keeps_the_blocks_until_released_and_tells_the_worker_to_drop_it():
-    s = _scheduler()
-    r = _request(s, "p", list(range(9)))
-    s.add_request(r)
+    assert [x.req_id for x in out.kv_loads] == ["a", "b"]  # max_num_seqs: c waits
+    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # aborted with its KV on the way
+    s.finish_loading("b")  # its late arrival changes nothing
+    big = _request(s, "big", list(range(20)), KVTransfer.RECEIVE)
+    s.add_request(big)
+    _first_token(s, "big")
     out = s.schedule()
-    s.update_from_output(out, ModelRunnerOutput(["p"], [5]))
+    assert [x.req_id for x in out.kv_loads] == ["c"]  # big needs 6 blocks > 3 free: it waits
+    for rid in ("a", "c", "big"):
+        s.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+    assert s.kv.num_free_blocks == 5 and not s.kv.req_to_blocks and not s.has_unfinished_requests()
+
+
+def test_a_sent_request_keeps_its_blocks_until_released_and_caps_admission():
+    s = _scheduler(max_sending=1)
+    p = _request(s, "p", list(range(9)), KVTransfer.SEND, max_tokens=1)
+    q = _request(s, "q", list(range(20, 29)), KVTransfer.SEND, max_tokens=1)
+    s.add_request(p)
+    out = s.schedule()
+    assert s.update_from_output(out, ModelRunnerOutput(["p"], [5]))[0].finish_reason == "length"
     blocks = s.kv.get_block_ids("p")
-    detached = s.detach_request("p")
-    assert detached is r and not s.running and not s.has_unfinished_requests()
-    assert s.kv.get_block_ids("p") == blocks and len(blocks) == 3
-    assert "p" in s.schedule().finished_req_ids
-    s.kv.free(detached)
-    assert s.kv.num_free_blocks == 11
-    again = _request(s, "q", list(range(9)))  # the released prompt stays in the prefix cache
+    assert len(blocks) == 3 and s.sending == {"p": p} and not s.has_unfinished_requests()
+    assert "p" in s.schedule().finished_req_ids  # the worker drops its state
+    s.add_request(q)
+    assert s.schedule().is_empty  # one request's blocks wait to be read: admit nothing
+    s.release_sent("p")
+    assert not s.sending and s.kv.num_free_blocks == 11  # freed (and still cached)
+    assert "q" in s.schedule().num_scheduled_tokens
+    again = _request(s, "r", list(range(9)))  # the released prompt stays in the prefix cache
     assert s.kv.get_computed_blocks(again)[1] == 8
 
 
-def test_a_preempted_transferred_request_resumes_from_its_transferred_blocks_in_the_cache():
+def test_an_aborted_sent_request_frees_its_blocks_at_once():
+    s = _scheduler()
+    s.add_request(_request(s, "p", list(range(9)), KVTransfer.SEND, max_tokens=1))
+    s.schedule()
+    s.finish_requests(["p"], RequestStatus.FINISHED_ABORTED)
+    assert not s.sending and s.kv.num_free_blocks == 11
+
+
+def test_a_preempted_received_request_resumes_from_its_moved_blocks_in_the_cache():
     s = _scheduler(num_blocks=7, max_num_seqs=4)  # 6 usable blocks of 4 tokens
-    a, b = _request(s, "a", list(range(7)), [1]), _request(s, "b", list(range(10, 17)), [1])
+    a = _request(s, "a", list(range(7)), KVTransfer.RECEIVE)
+    b = _request(s, "b", list(range(10, 17)), KVTransfer.RECEIVE)
     for r in (a, b):
-        s.reserve_transfer(r)  # 8 tokens: 2 blocks each
-        s.admit_transferred(r.request_id)
+        s.add_request(r)
+        _first_token(s, r.request_id, token=2)
+    for load in s.schedule().kv_loads:  # 8 tokens: 2 blocks each
+        s.finish_loading(load.req_id)
     preempted: set[str] = set()
-    for step in range(6):  # both grow until the pool runs dry and the newest is preempted
+    for _ in range(6):  # both grow until the pool runs dry and the newest is preempted
         out = s.schedule()
         preempted |= out.preempted_req_ids
         s.update_from_output(out, ModelRunnerOutput(list(out.num_scheduled_tokens),
@@ -206,9 +242,10 @@ def test_a_preempted_transferred_request_resumes_from_its_transferred_blocks_in_
         if preempted:
             break
     assert preempted == {"b"} and b in s.waiting and b.num_computed_tokens == 0
-    s.finish_requests(["a"], a.status.FINISHED_ABORTED)
+    assert b.status == RequestStatus.PREEMPTED  # recomputed here, not received again
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     out = s.schedule()
     resumed = {n.req_id: n for n in out.scheduled_new_reqs}["b"]
-    # The two transferred full blocks were cached after the first decode step: a hit now.
+    # The two moved full blocks were cached after the first decode step: a hit now.
     assert resumed.num_computed_tokens == 8
     assert resumed.token_ids == b.all_token_ids and resumed.num_output_tokens == b.num_output_tokens

@@ -1,6 +1,7 @@
 """The cross-process connector: the prefill engine in a child process (TP 4 on its own 4 CPU
-devices), this process decoding (TP 2 x DP 2), KV bytes over loopback on a free port. Same
-tokens as the unified engine, aborts in flight, no leaked block on either side."""
+devices), this process decoding (TP 2 x DP 2), KV through JAX's transfer server or as bytes
+over loopback on a free port. Same tokens as the unified engine, async scheduling on both
+sides, aborts in flight, no leaked block on either side."""
 
 from __future__ import annotations
 
@@ -8,9 +9,17 @@ import socket
 
 import jax
 import pytest
+from disagg_helpers import (
+    ENGINE,
+    GREEDY,
+    SPLIT,
+    assert_no_disagg_leaks,
+    drain,
+    prefix_prompt,
+    tokens,
+    workload,
+)
 
-from disagg_helpers import (ENGINE, GREEDY, SPLIT, assert_no_disagg_leaks, drain, prefix_prompt,
-                            tokens, workload)
 from jaxserve import LLMEngine
 from jaxserve.config import EngineConfig
 from jaxserve.engine.disagg.socket_connector import PrefillProcessError, SocketConnector
@@ -33,13 +42,14 @@ def _socket_split(**extra: object) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kv_transport", ["jax_transfer", "bytes"])
 def test_two_processes_give_the_unified_tokens_and_leak_nothing(gqa8, compile_cache_dir,
-                                                                reference):
+                                                                reference, kv_transport):
     engine = LLMEngine(EngineConfig.from_kwargs(
-        model=gqa8, compilation_cache_dir=compile_cache_dir, disaggregation=_socket_split(),
-        **ENGINE))
+        model=gqa8, compilation_cache_dir=compile_cache_dir,
+        disaggregation=_socket_split(kv_transport=kv_transport), **ENGINE))
     connector = engine.core.connector
-    assert isinstance(connector, SocketConnector)
+    assert isinstance(connector, SocketConnector) and connector.kv_transport == kv_transport
     try:
         finished: dict = {}
         engine.add_request("warm", {"prompt_token_ids": prefix_prompt()}, GREEDY)
@@ -54,17 +64,18 @@ def test_two_processes_give_the_unified_tokens_and_leak_nothing(gqa8, compile_ca
                 if out.finished:
                     finished[out.request_id] = out
                 elif out.request_id == "cut" and cut_state is None:
-                    core = engine.core  # the first token is out: the KV is parked or moving
-                    cut_state = ("parked" if "cut" in core.parked
-                                 else "transferring" if "cut" in core.transferring else "decode")
+                    # the first token is out: the KV is parked or moving
+                    cut_state = ("parked" if "cut" in connector.parked
+                                 else "transferring" if "cut" in connector.transferring
+                                 else "decode")
                     engine.abort_request("cut")
         assert cut_state is not None and "cut" not in finished
         assert [tokens(finished[f"r{i}"]) for i in range(len(prompts))] == reference
         assert_no_disagg_leaks(engine)
-        stats = engine.stats()
-        assert stats.prefill.prefix_cache_hits >= 3 * 32  # counted in the prefill process
-        assert stats.num_transfers >= len(prompts) - 1 and stats.transfer_bytes > 0
-        assert stats.transfer_seconds > 0
+        kv = engine.stats().kv_transfer
+        assert kv.prefill.prefix_cache_hits >= 3 * 32  # counted in the prefill process
+        assert kv.num_transfers >= len(prompts) - 1 and kv.transfer_bytes > 0
+        assert kv.transfer_seconds > 0
     finally:
         engine.core.close()
     assert connector.process.poll() is not None  # the prefill process is gone

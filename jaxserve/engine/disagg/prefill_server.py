@@ -2,8 +2,9 @@
 prefill_server HOST:PORT`, started by the decode process, which listens there. The key comes in
 the environment (JAXSERVE_DISAGG_AUTHKEY, hex); the engine arguments in the first message.
 
-The loop launches a prefill step, handles messages while the devices compute, then collects the
-step. Host copies and sends of KV run on a sender thread, so they overlap the next steps.
+The loop steps the prefill engine (with async scheduling: launch a step, then apply the one
+before), then handles the messages that came meanwhile. Host copies and sends of KV run on a
+sender thread, so they overlap the next steps.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.disagg.prefill import PrefillSide
+from jaxserve.engine.disagg import jax_transfer
+from jaxserve.engine.disagg.prefill_engine import PrefillEngine
 from jaxserve.engine.disagg.wire import AUTHKEY_ENV, send_kv
-from jaxserve.engine.core import EngineCore
-from jaxserve.core.request import Request, RequestStatus
 
 _IDLE_POLL_S = 0.05
 
@@ -58,25 +58,31 @@ class _Sender:
 
 class PrefillServer:
     def __init__(self, conn: Connection, engine_kwargs: dict[str, Any], heads: tuple[int, ...],
-                 max_parked: int):
+                 max_pending_transfers: int, kv_transport: str):
         self.conn = conn
         self.heads = heads
         config = EngineConfig.from_kwargs(**engine_kwargs)
-        self.side = PrefillSide(EngineCore(config), max_parked)
+        self.engine = PrefillEngine(config, None, max_pending_transfers)
         if config.runner.precompile:
-            self.side.warm_up_reads(heads)
+            self.engine.warm_up_reads(heads)
+        server = None if kv_transport == "bytes" else jax_transfer.start_server(
+            self.engine.core.executor.worker.mesh.devices.flat[0])
+        if server is None and kv_transport == "jax_transfer":
+            raise RuntimeError("disaggregation.kv_transport is 'jax_transfer', but JAX's "
+                               "transfer server does not start in the prefill process")
+        self.offers = None if server is None else jax_transfer.Offers(server)
         self.sender = _Sender(conn)
-        self.sender.put(("started", {"root_hash": self.side.core.root_hash}))
+        self.sender.put(("started", {"root_hash": self.engine.root_hash,
+                                     "transfer_address": server and server.address()}))
 
     def serve(self) -> None:
         while True:
-            pending = self.side.dispatch()
-            if not self._handle_messages(0.0 if pending is not None else _IDLE_POLL_S):
+            outputs = self.engine.step()
+            if outputs:
+                self.sender.put(("outputs", outputs, self.engine.stats()))
+            busy = self.engine.core.has_unfinished_requests()
+            if not self._handle_messages(0.0 if busy else _IDLE_POLL_S):
                 break
-            if pending is not None:
-                outputs = self.side.collect(pending)
-                if outputs:
-                    self.sender.put(("outputs", outputs, self.side.stats()))
         self.sender.close()
 
     def _handle_messages(self, timeout: float) -> bool:
@@ -88,31 +94,29 @@ class PrefillServer:
             message = self.conn.recv()
             kind = message[0]
             if kind == "add":
-                self.side.add_request(Request(**message[1],
-                                              block_size=self.side.block_size,
-                                              hash_seed=self.side.core.root_hash))
+                self.engine.add_request(message[1])
             elif kind == "abort":
-                self.side.abort_requests(message[1], RequestStatus(message[2]))
+                self.engine.abort_requests(message[1])
             elif kind == "pull":
-                k, v, n = self.side.read_kv(message[1], self.heads)
-                self.sender.put(("kv", message[1], k, v, n))
+                _, req_id, first_block, num_blocks = message
+                k, v = self.engine.read_kv(req_id, self.heads, first_block, num_blocks)
+                if self.offers is None:
+                    self.sender.put(("kv", req_id, k, v, num_blocks))
+                else:
+                    self.sender.put(("kv_offer", req_id, *self.offers.offer(k, v), num_blocks))
+            elif kind == "kv_transport":  # the decode side could not connect: bytes, then
+                if message[1] == "bytes":
+                    self.offers = None
             elif kind == "state":
-                self.sender.put(("state", self._state()))
+                self.sender.put(("state", {"stats": self.engine.stats(),
+                                           **self.engine.state()}))
             elif kind == "close":
                 return False
             else:
                 raise ValueError(f"unknown message kind {kind!r}")
         if changed:
-            self.sender.put(("stats", self.side.stats()))
+            self.sender.put(("stats", self.engine.stats()))
         return True
-
-    def _state(self) -> dict[str, Any]:
-        schedulers = self.side.core.schedulers
-        return {"stats": self.side.stats(), "num_parked": len(self.side.parked),
-                "num_free_blocks": self.side.num_free_blocks(),
-                "num_blocks": [s.kv.num_blocks for s in schedulers],
-                "num_requests": sum(len(s.requests) for s in schedulers),
-                "num_block_owners": sum(len(s.kv.req_to_blocks) for s in schedulers)}
 
 
 def main() -> None:
@@ -121,10 +125,11 @@ def main() -> None:
     conn = Client((host, int(port)), authkey=authkey)
     server = None
     try:
-        kind, engine_kwargs, heads, max_parked = conn.recv()
+        kind, engine_kwargs, heads, max_pending_transfers, kv_transport = conn.recv()
         if kind != "init":
             raise ValueError(f"expected an init message, got {kind!r}")
-        server = PrefillServer(conn, engine_kwargs, tuple(heads), max_parked)
+        server = PrefillServer(conn, engine_kwargs, tuple(heads), max_pending_transfers,
+                               kv_transport)
         server.serve()
     except (EOFError, ConnectionResetError):
         pass  # the decode process closed the connection: nothing left to serve

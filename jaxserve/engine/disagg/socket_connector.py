@@ -1,8 +1,10 @@
 """The cross-process connector: the prefill engine runs in a child process on this host and
-sends first tokens and KV bytes back over loopback (127.0.0.1, authenticated with a random key).
+sends first tokens back over loopback (127.0.0.1, authenticated with a random key), and KV
+through JAX's transfer server where it runs (`jax_transfer`), else as raw bytes on the same
+socket (`bytes`).
 
-A background thread receives, so KV bytes land while the decode side computes; the engine
-thread only sends (small messages) and drains the inbox once per step.
+A background thread receives (and pulls offered KV), so KV lands while the decode side
+computes; the engine thread only sends (small messages) and drains the inbox once per step.
 """
 
 from __future__ import annotations
@@ -22,13 +24,11 @@ from typing import Any
 import jax
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.disagg.connector import (KVConnector, PrefillEvents, TransferredKV,
-                                                   kv_nbytes)
-from jaxserve.engine.disagg.wire import AUTHKEY_ENV, recv_kv, request_fields
-from jaxserve.engine.core import EngineCore, EngineStats
-from jaxserve.executor.kv_blocks import transfer_heads
-from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler_output import EngineCoreOutput
+from jaxserve.engine.core import EngineStats
+from jaxserve.engine.disagg import jax_transfer
+from jaxserve.engine.disagg.wire import AUTHKEY_ENV, recv_kv
+from jaxserve.engine.kv_connector import KVConnector, TransferredKV
 
 _IDLE_WAIT_S = 0.02  # how long an idle decode side waits for the prefill process per step
 
@@ -39,11 +39,8 @@ class PrefillProcessError(RuntimeError):
 
 class SocketConnector(KVConnector):
     def __init__(self, prefill_config: EngineConfig, settings: dict[str, Any],
-                 loaded: LoadedModel, decode: EngineCore):
-        self.decode = decode
-        self.heads = transfer_heads(loaded.config.num_kv_heads,
-                                    prefill_config.parallel.tensor_parallel_size,
-                                    decode.config.parallel.tensor_parallel_size)
+                 heads: tuple[int, ...]):
+        super().__init__(heads)
         timeout = settings["startup_timeout_s"]
         authkey = os.urandom(32)
         self.listener = Listener(("127.0.0.1", settings["port"]), authkey=authkey)
@@ -57,14 +54,32 @@ class SocketConnector(KVConnector):
         self._finalizer = weakref.finalize(self, _shut_down, self.process, self.listener)
         self.conn = self._accept(timeout)
         self.conn.send(("init", prefill_config.to_kwargs(), self.heads,
-                        settings["max_pending_transfers"]))
+                        settings["max_pending_transfers"], settings["kv_transport"]))
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list[tuple] = []  # received while waiting for a state reply
         self._pulled: dict[str, float] = {}
-        threading.Thread(target=self._receive, name="disagg-receiver", daemon=True).start()
-        started = self._wait_for("started", timeout)
-        self.root_hash = started[1]["root_hash"]
+        self._pull_ranks: dict[str, int] = {}  # read by the receiver thread
+        self._transfer_connection: Any = None
+        threading.Thread(target=self._receive_loop, name="disagg-receiver", daemon=True).start()
+        started = self._wait_for("started", timeout)[1]
+        self._root_hash = started["root_hash"]
         self._stats: EngineStats | None = None
+        self.kv_transport = "bytes"
+        if started["transfer_address"] is not None:
+            self._transfer_server = jax_transfer.start_server(jax.devices()[0])
+            if self._transfer_server is not None:
+                self._transfer_connection = self._transfer_server.connect(
+                    started["transfer_address"])
+                self.kv_transport = "jax_transfer"
+        if settings["kv_transport"] == "jax_transfer" != self.kv_transport:
+            self.close()
+            raise PrefillProcessError("disaggregation.kv_transport is 'jax_transfer', but JAX's "
+                                      "transfer server does not start in this process")
+        self.conn.send(("kv_transport", self.kv_transport))
+
+    @property
+    def root_hash(self) -> bytes:
+        return self._root_hash
 
     # ---- start-up and shut-down ----------------------------------------------------------
     def _accept(self, timeout: float) -> Connection:
@@ -99,16 +114,28 @@ class SocketConnector(KVConnector):
         return self.log_path.read_text(errors="replace")[-4000:]
 
     # ---- receiving -----------------------------------------------------------------------
-    def _receive(self) -> None:
+    def _receive_loop(self) -> None:
         try:
             while True:
                 message = self.conn.recv()
                 if message[0] == "kv":
                     req_id, k, v = recv_kv(self.conn, message)
-                    message = ("kv", req_id, k, v, time.perf_counter())
+                    message = ("kv", req_id, k, v, k.shape[2], time.perf_counter())
+                elif message[0] == "kv_offer":
+                    message = self._pull_offer(*message[1:])
                 self.inbox.put(message)
         except (EOFError, OSError) as e:
             self.inbox.put(("dead", repr(e)))
+
+    def _pull_offer(self, req_id: str, number: int, shape: tuple[int, ...], dtype: str,
+                    num_blocks: int) -> tuple:
+        """Fetch offered KV onto the rank's first device, then onto the rank's sharding (a pull
+        for an aborted request still runs: the prefill side keeps the arrays until pulled)."""
+        sharding = self.executor.kv_sharding(self._pull_ranks.pop(req_id))
+        device = min(sharding.device_set, key=lambda d: d.id)
+        k, v = jax_transfer.pull(self._transfer_connection, number, shape, dtype, device)
+        k, v = jax.device_put((k, v), sharding)
+        return ("kv", req_id, k, v, num_blocks, time.perf_counter())
 
     def _next(self, timeout: float | None) -> tuple | None:
         try:
@@ -134,52 +161,48 @@ class SocketConnector(KVConnector):
                 self._held.append(message)
         raise PrefillProcessError(f"no {kind!r} from the prefill process in {timeout} s")
 
-    # ---- the connector -------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        self.conn.send(("add", request_fields(request)))
+    # ---- the transport -------------------------------------------------------------------
+    def _send_request(self, fields: dict[str, Any]) -> None:
+        self.conn.send(("add", fields))
 
-    def abort_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+    def _send_abort(self, request_ids: list[str]) -> None:
         for req_id in request_ids:
             self._pulled.pop(req_id, None)
-        self.conn.send(("abort", list(request_ids), int(status)))
+        self.conn.send(("abort", list(request_ids)))
 
-    def start_step(self) -> None:
-        pass  # the prefill process steps on its own
-
-    def finish_step(self, idle: bool) -> PrefillEvents:
-        events = PrefillEvents()
+    def _receive(self, idle: bool) -> tuple[list[EngineCoreOutput], list[TransferredKV]]:
+        first_tokens: list[EngineCoreOutput] = []
+        arrived: list[TransferredKV] = []
         messages, self._held = self._held, []
-        first = self._next(_IDLE_WAIT_S if idle and not messages else None)
-        while first is not None:
-            messages.append(first)
-            first = self._next(None)
+        message = self._next(_IDLE_WAIT_S if idle and not messages else None)
+        while message is not None:
+            messages.append(message)
+            message = self._next(None)
         for message in messages:
             if message[0] == "outputs":
-                events.outputs.extend(message[1])
+                first_tokens.extend(message[1])
                 self._stats = message[2]
             elif message[0] == "stats":
                 self._stats = message[1]
             elif message[0] == "kv":
-                _, req_id, k, v, arrived = message
-                n = k.shape[2]
-                events.arrived.append(TransferredKV(
-                    req_id, k, v, n, kv_nbytes(self.decode, self.heads, n),
-                    arrived - self._pulled.pop(req_id, arrived)))
-        return events
+                _, req_id, k, v, num_blocks, landed = message
+                arrived.append(TransferredKV(req_id, k, v, num_blocks,
+                                             landed - self._pulled.pop(req_id, landed)))
+        return first_tokens, arrived
 
-    def pull(self, request_id: str, rank: int) -> None:
+    def _pull(self, request_id: str, rank: int, first_block: int, num_blocks: int) -> None:
         self._pulled[request_id] = time.perf_counter()
-        self.conn.send(("pull", request_id))
-        return None
+        self._pull_ranks[request_id] = rank
+        self.conn.send(("pull", request_id, first_block, num_blocks))
 
-    def stats(self) -> EngineStats:
+    def prefill_stats(self) -> EngineStats:
         if self._stats is None:
             self._stats = self.state()["stats"]
         return self._stats
 
     def state(self) -> dict[str, Any]:
-        """The prefill process's state now (after every message sent before): stats, parked
-        requests, free blocks per rank. A round trip: for tests and diagnostics."""
+        """The prefill process's state now (after every message sent before): stats, requests
+        holding blocks, free blocks per rank. A round trip: for tests and diagnostics."""
         self.conn.send(("state",))
         state = self._wait_for("state", 60.0)[1]
         self._stats = state["stats"]

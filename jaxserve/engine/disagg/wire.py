@@ -3,32 +3,25 @@
 Messages are tuples sent with `multiprocessing.connection` (authenticated with a random key),
 except KV, which goes as a small header followed by the raw bytes of K and V.
 
-    decode -> prefill: ("init", engine kwargs, heads, max_parked), ("add", request fields),
-                       ("abort", ids, status), ("pull", id), ("state",), ("close",)
-    prefill -> decode: ("started", info), ("outputs", [EngineCoreOutput], EngineStats),
+    decode -> prefill: ("init", engine kwargs, heads, max_pending_transfers, kv_transport),
+                       ("kv_transport", "jax_transfer" | "bytes"): what the decode side uses,
+                       ("add", request fields), ("abort", ids), ("pull", id, first block,
+                       number of blocks), ("state",), ("close",)
+    prefill -> decode: ("started", info), ("outputs", first tokens, EngineStats),
                        ("stats", EngineStats) after handling messages,
-                       ("kv", id, shape, dtype, num_blocks) + 2 byte buffers, ("state", dict),
+                       ("kv", id, shape, dtype, num_blocks) + 2 byte buffers, or
+                       ("kv_offer", id, number, shape, dtype name, num_blocks) to pull from
+                       JAX's transfer server, ("state", dict),
                        ("error", traceback text)
 """
 
 from __future__ import annotations
 
 from multiprocessing.connection import Connection
-from typing import Any
 
 import numpy as np
 
-from jaxserve.core.request import Request
-
 AUTHKEY_ENV = "JAXSERVE_DISAGG_AUTHKEY"
-
-
-def request_fields(request: Request) -> dict[str, Any]:
-    return dict(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                sampling_params=request.sampling_params, arrival_time=request.arrival_time,
-                priority=request.priority, cache_salt=request.cache_salt,
-                lora_name=request.lora_name, max_tokens=request.max_tokens, seed=request.seed,
-                group_id=request.group_id)
 
 
 def send_kv(conn: Connection, request_id: str, k: np.ndarray, v: np.ndarray) -> None:
