@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import yaml
 
 from jaxserve.default_model import default_model_path
-from jaxserve.disaggregation_config import normalize_disaggregation
+from jaxserve.disaggregation_config import DisaggregationConfig, normalize_disaggregation
 from jaxserve.vllm_args import accept_vllm_args
 
 
@@ -82,8 +82,9 @@ class ParallelConfig:
     distributed_timeout_s: int = 120
     devices: list[int] | None = None  # indices into jax.devices() to run on; default: all
     # Separate prefill and decode engines with KV transfer (docs/disaggregation.md): a mapping,
-    # or JSON/YAML text or a YAML file path (the CLI's --disaggregation).
-    disaggregation: dict[str, Any] | None = None
+    # or JSON/YAML text or a YAML file path (the CLI's --disaggregation); validated into a
+    # DisaggregationConfig.
+    disaggregation: DisaggregationConfig | dict[str, Any] | str | None = None
 
 
 @dataclass

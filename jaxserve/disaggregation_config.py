@@ -6,12 +6,14 @@
      "kv_transport": "auto" | "jax_transfer" | "bytes"}
 
 Each side takes its devices, its parallel sizes and per-side scheduler/cache/runner arguments;
-everything else (model, dtype, block size, max_model_len, seed) is shared. The normal form fills
-in every side's `devices`, `tensor_parallel_size` and `data_parallel_size_local`.
+everything else (model, dtype, block size, max_model_len, seed) is shared. It is parsed into a
+`DisaggregationConfig`, which fills in every side's `devices`, `tensor_parallel_size` and
+`data_parallel_size_local`; `to_dict` gives it back as the argument (for `replace`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +40,43 @@ SIDE_ENGINE_KEYS = frozenset({
 ENV_KEY = "env"  # socket connector only: extra environment of the prefill process
 
 
-def normalize_disaggregation(value: Any, config: EngineConfig) -> dict[str, Any]:
+@dataclass(frozen=True)
+class DisaggregationSide:
+    devices: list[int]  # indices into jax.devices() (of its own process with "socket")
+    tensor_parallel_size: int
+    data_parallel_size_local: int
+    engine_args: dict[str, Any] = field(default_factory=dict)  # this side's own (SIDE_ENGINE_KEYS)
+    env: dict[str, str] = field(default_factory=dict)  # socket: the prefill process's extra env
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"devices": list(self.devices), "tensor_parallel_size": self.tensor_parallel_size,
+               "data_parallel_size_local": self.data_parallel_size_local, **self.engine_args}
+        return out | ({ENV_KEY: dict(self.env)} if self.env else {})
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    prefill: DisaggregationSide
+    decode: DisaggregationSide
+    connector: str = "inprocess"
+    kv_transport: str = "auto"
+    max_pending_transfers: int = 64  # requests holding prefill blocks before prefilling pauses
+    port: int = 0
+    startup_timeout_s: float = 300.0
+
+    def side(self, name: str) -> DisaggregationSide:
+        return self.prefill if name == "prefill" else self.decode
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prefill": self.prefill.to_dict(), "decode": self.decode.to_dict(),
+                "connector": self.connector, "kv_transport": self.kv_transport,
+                "max_pending_transfers": self.max_pending_transfers, "port": self.port,
+                "startup_timeout_s": self.startup_timeout_s}
+
+
+def normalize_disaggregation(value: Any, config: EngineConfig) -> DisaggregationConfig:
+    if isinstance(value, DisaggregationConfig):
+        value = value.to_dict()
     if isinstance(value, str):
         value = _load_text(value)
     if not isinstance(value, dict):
@@ -67,25 +105,28 @@ def normalize_disaggregation(value: Any, config: EngineConfig) -> dict[str, Any]
                          f"(connector is {connector!r})")
     sides = {name: _side(value.get(name, {}), name, connector) for name in SIDES}
     _assign_devices(sides, shared=connector == "inprocess")
-    out = {**sides, "connector": connector, "kv_transport": kv_transport,
-           "max_pending_transfers": _positive_int(value, "max_pending_transfers", 64),
-           "port": _positive_int(value, "port", 0, minimum=0),
-           "startup_timeout_s": _positive_number(value, "startup_timeout_s", 300.0)}
-    if out["port"] > 65535:
-        raise ValueError(f"disaggregation.port must be <= 65535, got {out['port']}")
+    out = DisaggregationConfig(
+        **{name: DisaggregationSide(**side) for name, side in sides.items()},
+        connector=connector, kv_transport=kv_transport,
+        max_pending_transfers=_positive_int(value, "max_pending_transfers", 64),
+        port=_positive_int(value, "port", 0, minimum=0),
+        startup_timeout_s=_positive_number(value, "startup_timeout_s", 300.0))
+    if out.port > 65535:
+        raise ValueError(f"disaggregation.port must be <= 65535, got {out.port}")
     for name in SIDES:
         side_config(config, out, name)  # the side's own engine arguments must validate too
     return out
 
 
-def side_config(config: EngineConfig, settings: dict[str, Any], name: str) -> EngineConfig:
+def side_config(config: EngineConfig, settings: DisaggregationConfig,
+                name: str) -> EngineConfig:
     """The engine configuration of one side: the shared arguments plus the side's own."""
-    side = settings[name]
-    args = {k: v for k, v in side.items() if k in SIDE_ENGINE_KEYS}
+    side = settings.side(name)
     try:
-        return config.replace(disaggregation=None, devices=side["devices"],
-                              tensor_parallel_size=side["tensor_parallel_size"],
-                              data_parallel_size_local=side["data_parallel_size_local"], **args)
+        return config.replace(disaggregation=None, devices=side.devices,
+                              tensor_parallel_size=side.tensor_parallel_size,
+                              data_parallel_size_local=side.data_parallel_size_local,
+                              **side.engine_args)
     except ValueError as e:
         raise ValueError(f"disaggregation.{name}: {e}") from e
 
@@ -132,12 +173,9 @@ def _side(raw: Any, name: str, connector: str) -> dict[str, Any]:
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                             for k, v in env.items()):
         raise ValueError(f"{where}.env must map names to strings, got {env!r}")
-    out = {k: v for k, v in raw.items() if k in SIDE_ENGINE_KEYS}
-    out |= {"devices": devices, "num_devices": count, "tensor_parallel_size": tp,
-            "data_parallel_size_local": dp}
-    if ENV_KEY in allowed:
-        out[ENV_KEY] = dict(env)
-    return out
+    return {"engine_args": {k: v for k, v in raw.items() if k in SIDE_ENGINE_KEYS},
+            "devices": devices, "num_devices": count, "tensor_parallel_size": tp,
+            "data_parallel_size_local": dp, "env": dict(env)}
 
 
 def _assign_devices(sides: dict[str, dict[str, Any]], shared: bool) -> None:

@@ -25,8 +25,7 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _arg_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
-    hint = eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation  # noqa: S307
+def _arg_type(hint: Any) -> tuple[Any, dict[str, Any]]:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if isinstance(hint, types.UnionType) and len(args) == 1:
         hint = args[0]
@@ -40,10 +39,11 @@ def _arg_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     group = parser.add_argument_group("engine arguments")
     for cls in _CONFIGS:
+        hints = typing.get_type_hints(cls)
         for f in fields(cls):
             if f.name in skip:
                 continue
-            conv, extra = _arg_type(f.type)
+            conv, extra = _arg_type(hints[f.name])
             default = f.default if f.default is not MISSING else None
             group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=conv,
                                default=argparse.SUPPRESS, help=f"default: {default}", **extra)

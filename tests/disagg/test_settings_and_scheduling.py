@@ -10,7 +10,7 @@ from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxserve.core.request import KVTransfer, Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput
-from jaxserve.disaggregation_config import side_config
+from jaxserve.disaggregation_config import DisaggregationSide, side_config
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -25,25 +25,23 @@ SPLIT = {"prefill": {"num_devices": 4},
 
 def test_device_counts_are_assigned_without_overlap_and_parallel_sizes_filled_in():
     d = _config(disaggregation=SPLIT).parallel.disaggregation
-    assert d["prefill"] == {"devices": [0, 1, 2, 3], "tensor_parallel_size": 4,
-                            "data_parallel_size_local": 1}
-    assert d["decode"]["devices"] == [4, 5, 6, 7]
-    assert (d["decode"]["tensor_parallel_size"], d["decode"]["data_parallel_size_local"]) == (2, 2)
-    assert d["connector"] == "inprocess"
+    assert d.prefill == DisaggregationSide([0, 1, 2, 3], 4, 1)
+    assert d.decode == DisaggregationSide([4, 5, 6, 7], 2, 2, {"max_num_seqs": 8})
+    assert (d.connector, d.kv_transport, d.max_pending_transfers) == ("inprocess", "auto", 64)
 
 
 def test_explicit_devices_are_kept_and_the_other_side_takes_the_lowest_free_ones():
     d = _config(disaggregation={
         "prefill": {"devices": [0, 2]}, "decode": {"num_devices": 3}}).parallel.disaggregation
-    assert d["prefill"]["devices"] == [0, 2] and d["decode"]["devices"] == [1, 3, 4]
+    assert d.prefill.devices == [0, 2] and d.decode.devices == [1, 3, 4]
 
 
 def test_two_processes_number_their_devices_from_zero_each():
     d = _config(disaggregation={
         "connector": "socket", "prefill": {"num_devices": 2, "env": {"A": "1"}},
         "decode": {"num_devices": 2}}).parallel.disaggregation
-    assert d["prefill"]["devices"] == d["decode"]["devices"] == [0, 1]
-    assert d["prefill"]["env"] == {"A": "1"}
+    assert d.prefill.devices == d.decode.devices == [0, 1]
+    assert d.prefill.env == {"A": "1"} and d.to_dict()["prefill"]["env"] == {"A": "1"}
 
 
 def test_normal_form_is_stable_through_replace_and_json_text(tmp_path):

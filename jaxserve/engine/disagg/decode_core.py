@@ -3,12 +3,10 @@ connector to a prefill engine on other devices of this process or in a child pro
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 
 from jaxserve.config import EngineConfig
-from jaxserve.disaggregation_config import side_config
+from jaxserve.disaggregation_config import DisaggregationConfig, side_config
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.kv_connector import KVConnector
 from jaxserve.executor.kv_blocks import transfer_heads
@@ -20,7 +18,7 @@ def make_decode_core(config: EngineConfig, loaded: LoadedModel | None = None) ->
     settings = config.parallel.disaggregation
     if settings is None:
         raise ValueError("disaggregation must be set for a disaggregated engine")
-    if settings["connector"] == "inprocess":
+    if settings.connector == "inprocess":
         _check_device_count(settings)
     m = config.model
     loaded = loaded or load_model(m.model, m.load_format, seed=m.seed)
@@ -33,26 +31,24 @@ def make_decode_core(config: EngineConfig, loaded: LoadedModel | None = None) ->
         raise ValueError(f"disaggregation.decode: {exc}") from exc
 
 
-def _make_connector(config: EngineConfig, settings: dict[str, Any], loaded: LoadedModel,
+def _make_connector(config: EngineConfig, settings: DisaggregationConfig, loaded: LoadedModel,
                     decode_config: EngineConfig) -> KVConnector:
     prefill_config = side_config(config, settings, "prefill")
     heads = transfer_heads(loaded.config.num_kv_heads,
                            prefill_config.parallel.tensor_parallel_size,
                            decode_config.parallel.tensor_parallel_size)
-    if settings["connector"] == "inprocess":
+    if settings.connector == "inprocess":
         from jaxserve.engine.disagg.connector import InProcessConnector
 
-        return InProcessConnector(prefill_config, loaded, heads,
-                                  settings["max_pending_transfers"])
+        return InProcessConnector(prefill_config, loaded, heads, settings.max_pending_transfers)
     from jaxserve.engine.disagg.socket_connector import SocketConnector
 
     return SocketConnector(prefill_config, settings, heads)
 
 
-def _check_device_count(settings: dict[str, Any]) -> None:
-    used = settings["prefill"]["devices"] + settings["decode"]["devices"]
+def _check_device_count(settings: DisaggregationConfig) -> None:
+    used = settings.prefill.devices + settings.decode.devices
     if max(used) >= jax.device_count():
         raise ValueError(f"disaggregation needs devices {sorted(used)} (prefill "
-                         f"{settings['prefill']['devices']}, decode "
-                         f"{settings['decode']['devices']}), but only {jax.device_count()} "
-                         "are present")
+                         f"{settings.prefill.devices}, decode {settings.decode.devices}), but "
+                         f"only {jax.device_count()} are present")

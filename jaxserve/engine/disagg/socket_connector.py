@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from jaxserve.config import EngineConfig
+from jaxserve.disaggregation_config import DisaggregationConfig, DisaggregationSide
 from jaxserve.core.scheduler_output import EngineCoreOutput
 from jaxserve.engine.core import EngineStats
 from jaxserve.engine.disagg import jax_transfer
@@ -38,23 +39,23 @@ class PrefillProcessError(RuntimeError):
 
 
 class SocketConnector(KVConnector):
-    def __init__(self, prefill_config: EngineConfig, settings: dict[str, Any],
+    def __init__(self, prefill_config: EngineConfig, settings: DisaggregationConfig,
                  heads: tuple[int, ...]):
         super().__init__(heads)
-        timeout = settings["startup_timeout_s"]
+        timeout = settings.startup_timeout_s
         authkey = os.urandom(32)
-        self.listener = Listener(("127.0.0.1", settings["port"]), authkey=authkey)
+        self.listener = Listener(("127.0.0.1", settings.port), authkey=authkey)
         self.log_path = Path(tempfile.mkstemp(prefix="jaxserve-prefill-", suffix=".log")[1])
         host, port = self.listener.address
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "jaxserve.engine.disagg.prefill_server",
-                 f"{host}:{port}"], env=_child_env(settings["prefill"], authkey),
+                 f"{host}:{port}"], env=_child_env(settings.prefill, authkey),
                 stdout=log, stderr=subprocess.STDOUT)
         self._finalizer = weakref.finalize(self, _shut_down, self.process, self.listener)
         self.conn = self._accept(timeout)
         self.conn.send(("init", prefill_config.to_kwargs(), self.heads,
-                        settings["max_pending_transfers"], settings["kv_transport"]))
+                        settings.max_pending_transfers, settings.kv_transport))
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list[tuple] = []  # received while waiting for a state reply
         self._pulled: dict[str, float] = {}
@@ -71,7 +72,7 @@ class SocketConnector(KVConnector):
                 self._transfer_connection = self._transfer_server.connect(
                     started["transfer_address"])
                 self.kv_transport = "jax_transfer"
-        if settings["kv_transport"] == "jax_transfer" != self.kv_transport:
+        if settings.kv_transport == "jax_transfer" != self.kv_transport:
             self.close()
             raise PrefillProcessError("disaggregation.kv_transport is 'jax_transfer', but JAX's "
                                       "transfer server does not start in this process")
@@ -209,14 +210,14 @@ class SocketConnector(KVConnector):
         return state
 
 
-def _child_env(prefill: dict[str, Any], authkey: bytes) -> dict[str, str]:
-    env = dict(os.environ, **prefill.get("env", {}))
+def _child_env(prefill: DisaggregationSide, authkey: bytes) -> dict[str, str]:
+    env = dict(os.environ, **prefill.env)
     env[AUTHKEY_ENV] = authkey.hex()
-    if jax.default_backend() == "cpu" and "XLA_FLAGS" not in prefill.get("env", {}):
+    if jax.default_backend() == "cpu" and "XLA_FLAGS" not in prefill.env:
         # CPU devices are virtual: give the child as many as its side uses.
         flags = [f for f in env.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
-        count = max(prefill["devices"]) + 1
+        count = max(prefill.devices) + 1
         env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
         env.setdefault("JAX_PLATFORMS", "cpu")
     return env
