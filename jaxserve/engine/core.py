@@ -33,8 +33,7 @@ from jaxserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.engine.dp_router import DPRouter
 from jaxserve.engine.kv_connector import KVConnector, KVTransferStats
-from jaxserve.executor.executor import Executor
-from jaxserve.executor.model_runner import PendingStep, UnexpectedCompilationError
+from jaxserve.executor.executor import Executor, PendingStep, UnexpectedCompilationError
 from jaxserve.models.loaded_model import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -80,21 +79,23 @@ class EngineCore:
         that admits nothing while that many requests' blocks wait to be read."""
         self.config = config
         self.executor = Executor(config, loaded)
-        worker = self.executor.worker
-        self.model_config = worker.model_config
-        self.max_model_len = worker.max_model_len
-        for w in self.executor.workers:
-            check_pool_holds_a_sequence(w.num_blocks, w.max_model_len, config.cache.block_size)
+        built = self.executor.built
+        self.model_config = built[0].model_config
+        self.max_model_len = built[0].max_model_len
+        self.tokenizer = built[0].tokenizer
+        for b in built:
+            check_pool_holds_a_sequence(b.num_kv_blocks, b.max_model_len,
+                                        config.cache.block_size)
         if config.model.max_logprobs > self.model_config.vocab_size:
             raise ValueError(f"max_logprobs must be <= the vocabulary size "
                              f"({self.model_config.vocab_size}), got {config.model.max_logprobs}")
         hash_seed = config.cache.prefix_caching_hash_seed
         self.schedulers = [
-            Scheduler(config.scheduler, config.cache, w.num_blocks, w.max_model_len,
+            Scheduler(config.scheduler, config.cache, b.num_kv_blocks, b.max_model_len,
                       self.model_config.eos_token_ids,
                       hash_seed=config.model.seed if hash_seed is None else hash_seed,
                       max_sending=max_sending)
-            for w in self.executor.workers]
+            for b in built]
         self.router = DPRouter(self.schedulers)
         self.num_steps = 0
         self.timings = StepTimings()  # schedule and update; the runners time their phases
@@ -245,7 +246,7 @@ class EngineCore:
             num_running=sum(s.num_running for s in per_rank),
             num_waiting=sum(s.num_waiting for s in per_rank),
             kv_cache_usage=sum(s.kv_cache_usage for s in per_rank) / len(per_rank),
-            num_kv_blocks=self.executor.worker.num_blocks,
+            num_kv_blocks=self.schedulers[0].kv.num_blocks,
             prefix_cache_queries=sum(s.prefix_cache_queries for s in per_rank),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in per_rank),
             num_preemptions=sum(s.num_preemptions for s in per_rank),

@@ -20,12 +20,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
         self.core = make_engine_core(config, loaded)
-        worker = self.core.executor.worker
         context = self.core.model_config.max_position_embeddings
         if self.core.max_model_len > context:
             raise ValueError(f"max_model_len ({self.core.max_model_len}) is more than the "
                              f"model's context (max_position_embeddings = {context})")
-        self.tokenizer = _tokenizer(config, worker.loaded.tokenizer, worker.model_config)
+        self.tokenizer = _tokenizer(config, self.core.tokenizer, self.core.model_config)
         self.input_processor = InputProcessor(
             self.tokenizer, self.core.model_config.vocab_size, self.core.max_model_len,
             config.cache.block_size, self.core.root_hash, config.model)

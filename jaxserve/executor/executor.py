@@ -11,8 +11,8 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.executor.mesh import initialize_distributed, rank_meshes
-from jaxserve.executor.model_runner import PendingStep
-from jaxserve.executor.worker import Worker, restores_sharded
+from jaxserve.executor.model_runner import PendingStep, UnexpectedCompilationError
+from jaxserve.executor.worker import BuiltWorker, Worker, restores_sharded
 from jaxserve.models.loaded_model import LoadedModel
 from jaxserve.models.loader import load_model
 
@@ -29,6 +29,11 @@ class Executor:
     @property
     def worker(self) -> Worker:
         return self.workers[0]
+
+    @property
+    def built(self) -> list[BuiltWorker]:
+        """What each rank's worker built: its KV blocks, max_model_len, model config."""
+        return [w.built for w in self.workers]
 
     def dispatch(self, scheds: list[SchedulerOutput]) -> list[PendingStep | None]:
         """Launch every rank's step without waiting (another engine's step can run meanwhile)."""
@@ -73,6 +78,9 @@ class Executor:
 
     def warm_up(self) -> float:
         return sum(w.runner.warm_up() for w in self.workers)
+
+
+__all__ = ["Executor", "PendingStep", "UnexpectedCompilationError", "select_devices"]
 
 
 def select_devices(ids: list[int] | None) -> list[Any] | None:

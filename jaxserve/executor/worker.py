@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +18,30 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from jaxserve.executor.mesh import place, rank_meshes
-from jaxserve.executor.sharding import (AXIS, expand_kv_heads, kv_cache_sharding, pad_vocab,
-                                           param_sharding, validate_tensor_parallel)
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compiled_dir import KV_INIT
+from jaxserve.executor.mesh import place, rank_meshes
 from jaxserve.executor.model_runner import ModelRunner, PendingStep, dtype_of
+from jaxserve.executor.sharding import (
+    AXIS,
+    expand_kv_heads,
+    kv_cache_sharding,
+    pad_vocab,
+    param_sharding,
+    validate_tensor_parallel,
+)
 from jaxserve.executor.step_program import kv_blocks_for, largest_step_temp_bytes
-from jaxserve.layers.attention import AttentionBackend, get_attention_backend, validate_backend
+from jaxserve.layers.attention import (
+    AttentionBackend,
+    get_attention_backend,
+    validate_backend,
+)
 from jaxserve.models.checkpoint_io import load_converted, read_converted_config
 from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
-from jaxserve.models.llama_config import param_shapes
+from jaxserve.models.llama_config import LlamaConfig, param_shapes
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
 from jaxserve.models.loader import load_model
+from jaxserve.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +64,15 @@ def restores_sharded(config: EngineConfig) -> bool:
         return False
     cfg = read_converted_config(m.model)
     return tp <= cfg.num_kv_heads and cfg.vocab_size % tp == 0
+
+
+@dataclass(frozen=True)
+class BuiltWorker:
+    """What a worker built, which the engine sizes its scheduler by."""
+    num_kv_blocks: int
+    max_model_len: int
+    model_config: LlamaConfig  # as placed (KV heads expanded for TP)
+    tokenizer: Tokenizer | None  # the checkpoint's
 
 
 class Worker:
@@ -99,6 +120,11 @@ class Worker:
         self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend, self.mesh,
                                   self.max_model_len, cfg.eos_token_ids)
         self.runner.executables = executables
+
+    @property
+    def built(self) -> BuiltWorker:
+        return BuiltWorker(self.num_blocks, self.max_model_len, self.model_config,
+                           self.loaded.tokenizer)
 
     @property
     def kv_init(self) -> Any:
