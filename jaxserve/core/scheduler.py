@@ -204,10 +204,9 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())  # its id's old owner is in flight
                 continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                # No first token yet, or its KV on the way: skip it. Else take its blocks now
-                # (or stop here, first come first served, when the pool is full).
-                if request.num_output_tokens and not holds_blocks \
-                        and not self._allocate_for_load(request):
+                # Skip it, taking its blocks first if its first token is here (or stop here,
+                # first come first served, when the pool is full).
+                if not self._waits_on_remote(request) and not self._allocate_for_load(request):
                     break
                 deferred.append(self.waiting.popleft())
                 continue
@@ -256,7 +255,8 @@ class Scheduler:
         all decode; None: the V1 mixed step."""
         if self.config.enable_mixed_batching:
             return None
-        pending = bool(self.waiting) or any(_is_prefilling(r) for r in self.running)
+        pending = (any(not self._waits_on_remote(r) for r in self.waiting)
+                   or any(_is_prefilling(r) for r in self.running))
         return "prefill" if pending else "decode"
 
     def _prefill_cap_reached(self, prefills: set[str]) -> bool:
@@ -265,9 +265,11 @@ class Scheduler:
 
     def _can_admit(self) -> bool:
         """Whether the first waiting request could start now (a seat and its blocks)."""
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+        request = next((r for r in self.waiting if not self._waits_on_remote(r)), None)
+        if request is None or len(self.running) >= self.config.max_num_seqs:
             return False
-        request = self.waiting[0]
+        if request.request_id in self._holding:
+            return True  # its blocks are taken already
         needed = -(-request.num_tokens // self.kv.block_size)
         # A cached block nobody holds is already one of the free blocks: count it once.
         held = sum(1 for block in self.kv.find_cached_prefix(request) if block.ref_cnt > 0)
@@ -306,6 +308,11 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ---- disaggregated prefill/decode -------------------------------------------------------
+    def _waits_on_remote(self, request: Request) -> bool:
+        """Decode side: no first token yet, or its KV on the way: nothing to do for it now."""
+        return request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and (
+            not request.num_output_tokens or request.request_id in self._holding)
+
     def _allocate_for_load(self, request: Request) -> bool:
         """Decode side: blocks for a request whose first token came from the prefill side
         (prompt + that token), hitting this side's prefix cache first; the prompt blocks past

@@ -103,8 +103,10 @@ def test_disaggregation_rejects_engine_wide_devices_and_multi_host():
 BS = 4
 
 
-def _scheduler(num_blocks: int = 12, max_num_seqs: int = 4, max_sending: int = 0) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64),
+def _scheduler(num_blocks: int = 12, max_num_seqs: int = 4, max_sending: int = 0,
+               mixed: bool = True) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                                     enable_mixed_batching=mixed),
                      CacheConfig(block_size=BS), num_blocks, 64, [1], hash_seed=0,
                      max_sending=max_sending)
 
@@ -147,6 +149,21 @@ def test_a_received_request_waits_for_its_first_token_then_its_kv_then_runs_like
     assert s.kv.num_cached_blocks["t"] == 2  # the moved full blocks are hittable now
     s.finish_requests(["t"], RequestStatus.FINISHED_ABORTED)
     assert s.kv.num_free_blocks == 11
+
+
+def test_without_mixed_batching_remote_requests_neither_stall_decodes_nor_wait_forever():
+    s = _scheduler(mixed=False)
+    s.add_request(_request(s, "d", list(range(5))))
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(["d"], [3]))  # "d" decodes from now on
+    s.add_request(_request(s, "t", list(range(10)), KVTransfer.RECEIVE))
+    assert s.schedule().num_scheduled_tokens == {"d": 1}  # t has no first token: decode on
+    _first_token(s, "t")
+    out = s.schedule()  # a prefill-phase step: t takes its blocks, its KV is to be loaded
+    assert [x.req_id for x in out.kv_loads] == ["t"]
+    assert s.schedule().num_scheduled_tokens == {"d": 1}  # t's KV on the way: decode on
+    s.finish_loading("t")
+    assert s.schedule().num_scheduled_tokens == {"t": 1}  # t admitted (all prefill, as V0)
 
 
 def test_a_first_token_that_finishes_the_request_frees_it_without_blocks():
