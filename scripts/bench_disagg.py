@@ -8,7 +8,8 @@ Every engine gets the same 8 (forced) CPU devices: unified TP 2 x DP 4; disaggre
 decode TP 2 x DP 2 on 4 devices and prefill on the other 4, as TP 4 or as TP 2 x DP 2, in this
 process (KV copied device to device) or in a child process (KV bytes over loopback), with
 async scheduling on both sides (the default) and, once, off. Requests arrive as a Poisson
-process; every run follows a warm-up run of the same workload (all shapes compiled before).
+process; every run follows a warm-up run of the same shapes with other prompts (all shapes
+compiled before, and no prompt of the measured run is in a prefix cache).
 On a CPU host the "devices" share the same cores, so the two sides of the disaggregated engine
 do not really run in parallel here: read the rows as a comparison within one run.
 """
@@ -97,10 +98,11 @@ def run(engine, workload: Workload, tag: str) -> Run:
                sum(len(o.outputs[0].token_ids) for o in done.values()), {})
 
 
-def measure(engine, workloads: list[Workload], label: str) -> dict[str, Run]:
+def measure(engine, workloads: list[Workload], warm_ups: list[Workload],  # noqa: ANN001
+            label: str) -> dict[str, Run]:
     results = {}
-    for w in workloads:
-        run(engine, w, f"warm-{w.name}")  # compiles nothing new, warms caches
+    for w, warm in zip(workloads, warm_ups):
+        run(engine, warm, f"warm-{w.name}")  # compiles nothing new; other prompts: no hits
         before = engine.stats()
         result = run(engine, w, w.name)
         after = engine.stats()
@@ -223,16 +225,19 @@ def main() -> None:
     model_dir = Path(tempfile.mkdtemp(prefix="bench-disagg-"))
     (model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG))
     n = args.num_requests
-    workloads = [
-        make_workload("long", n, (400, 900), (16, 32), args.rate_long, seed=1),
-        make_workload("short", n, (16, 64), (48, 96), args.rate_short, seed=2)]
+    specs = [("long", (400, 900), (16, 32), args.rate_long),
+             ("short", (16, 64), (48, 96), args.rate_short)]
+    workloads = [make_workload(name, n, p, o, rate, seed=i + 1)
+                 for i, (name, p, o, rate) in enumerate(specs)]
+    warm_ups = [make_workload(name, n, p, o, rate, seed=i + 101)
+                for i, (name, p, o, rate) in enumerate(specs)]
     base = dict(model=str(model_dir), load_format="dummy", compilation_cache_dir="", **ENGINE)
     all_results = {}
     for label, extra in ENGINES.items():
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig.from_kwargs(**base, **extra))
         print(f"{label}: built and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
-        all_results[label] = measure(engine, workloads, label)
+        all_results[label] = measure(engine, workloads, warm_ups, label)
         engine.core.close()
         del engine
     text = report(all_results, workloads, args)

@@ -57,7 +57,7 @@ class EngineStats:
     warm_up_seconds: float
     # Wall seconds per step phase since start, summed over ranks (see core/step_timing.py).
     step_seconds: dict[str, float]
-    kv_transfer: KVTransferStats | None = None  # disaggregated decode: the prefill side, moves
+    kv_transfer: KVTransferStats | None = None  # disaggregated decode: prefill side, KV moved
 
     @property
     def prefix_cache_hit_rate(self) -> float:
