@@ -197,7 +197,7 @@ def stories_hf_checkpoint(stories_bin: Path, out_dir: Path | None = None) -> Pat
         "head_dim": c.head_dim, "max_position_embeddings": c.max_position_embeddings,
         "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
         "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": "silu",
-        "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids)[0],
+        "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id,
         "torch_dtype": "float32"}, indent=2))
     return out_dir
 

@@ -86,8 +86,7 @@ def _tokenizer(config: EngineConfig, own: Tokenizer | None, model: Any) -> Token
     path = config.model.tokenizer
     if path is None:
         return own
-    tokenizer = load_hf_tokenizer(path, bos_token_id=model.bos_token_id,
-                                  eos_token_id=(model.eos_token_ids or (None,))[0])
+    tokenizer = load_hf_tokenizer(path, model)
     if tokenizer is None:
         raise ValueError(f"tokenizer: no tokenizer.json in {path!r}")
     if tokenizer.vocab_size > model.vocab_size:
