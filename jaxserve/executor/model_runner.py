@@ -35,6 +35,7 @@ from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_block
                                          padded_block_ids, scatter_blocks)
 from jaxserve.executor.packing import PackedLayout, pack, unpack
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.axes import AXIS
 from jaxserve.layers.sampler import (RowSpec, SamplerOutput, SamplingMetadata,
                                      make_sampling_metadata, sample)
 from jaxserve.models.llama import Llama
@@ -305,8 +306,8 @@ class ModelRunner:
         given source head for each output head, sharded by head on this mesh where possible."""
         ids = padded_block_ids(block_ids, self.block_buckets)
         self._count_shape(("read_blocks", len(ids), heads))
-        tp = self.mesh.shape["model"]
-        spec = P(None, "model") if len(heads) % tp == 0 else P()
+        tp = self.mesh.shape[AXIS]
+        spec = P(None, AXIS) if len(heads) % tp == 0 else P()
         return gather_blocks(self.k_cache, self.v_cache, ids, heads, NamedSharding(self.mesh, spec))
 
     def write_blocks(self, block_ids: list[int], k: jax.Array | np.ndarray,
