@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.layers.axes import AXIS
-from pallas_kernels import reference
+from pallas_kernels import xla_attention
 
 BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 
@@ -38,7 +38,7 @@ def scatter_write(k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array
                    v: jax.Array, slot_mapping: jax.Array, query_start_loc: jax.Array,
                    ) -> tuple[jax.Array, jax.Array]:
     del query_start_loc  # padding tokens write the null block
-    return reference.write_kv(k_cache, v_cache, layer, k, v, slot_mapping)
+    return xla_attention.write_kv(k_cache, v_cache, layer, k, v, slot_mapping)
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def get_attention_backend(name: str, platform: str | None = None,
     if name == "auto":
         name = "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"
     if name == "xla":
-        return AttentionBackend("xla", reference.ragged_paged_attention, mesh)
+        return AttentionBackend("xla", xla_attention.ragged_paged_attention, mesh)
     if name == "pallas" and platform not in ("tpu", "gpu", "cuda", "rocm"):
         raise ValueError(f"attention_backend 'pallas' needs a TPU or GPU, this is {platform!r}; "
                          "use 'pallas_interpret' or 'xla'")
