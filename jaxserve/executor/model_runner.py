@@ -179,8 +179,8 @@ class ModelRunner:
         self.batch = InputBatch(block_size, self.max_blocks_per_seq)
         self.block_buckets = block_buckets(self.max_blocks_per_seq)
         self.token_buckets, self.request_buckets = step_buckets(config)
-        # One module-level jit: engines with the same model structure and step shapes share
-        # compiled executables within a process.
+        # Module-level jits (_step, _sample): engines with the same model structure and step
+        # shapes share compiled executables within a process.
         graphdef, self.params = nnx.split(model)
         self.statics = StepStatics(graphdef, backend, self.kv_sharding)
         # The last launched step's sampled ids, and the rows whose next input they are.
