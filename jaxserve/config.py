@@ -14,12 +14,15 @@ from jaxserve.default_model import default_model_path
 from jaxserve.disaggregation_config import DisaggregationConfig, normalize_disaggregation
 from jaxserve.vllm_args import accept_vllm_args
 
+# Where a checkpoint's weights come from (models/loader.py dispatches on it).
+LOAD_FORMATS = ("auto", "hf", "gguf", "llama2c", "orbax", "dummy")
+
 
 @dataclass
 class ModelConfig:
     model: str | None = None  # None: the small model that ships in the package
     tokenizer: str | None = None
-    load_format: str = "auto"  # auto | hf | gguf | llama2c | orbax | dummy
+    load_format: str = "auto"  # one of LOAD_FORMATS
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 elsewhere) | float32 | bfloat16
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
@@ -148,8 +151,9 @@ class EngineConfig:
                              f"{s.scheduling_policy!r}")
         if m.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {m.dtype!r}")
-        if m.load_format not in ("auto", "hf", "gguf", "llama2c", "orbax", "dummy"):
-            raise ValueError(f"load_format {m.load_format!r} is not supported")
+        if m.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got "
+                             f"{m.load_format!r}")
         if m.max_model_len is not None:
             _positive(m, "max_model_len")
         _non_negative(m, "max_logprobs")

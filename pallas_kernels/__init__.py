@@ -1,5 +1,6 @@
 """Pallas kernels for jaxserve's attention: ragged paged attention for TPU (Mosaic) and GPU
-(Triton) and the TPU's in-place KV write, beside the pure-JAX reference and KV write. Importable
+(Triton) and the TPU's in-place KV write, beside the pure-JAX `xla` backend (xla_attention.py)
+and the plain numpy oracle every one of them is checked against (oracle.py). Importable
 without jaxserve, and without libtpu or a GPU (the kernels only need one to compile, not to
 import or to run interpreted)."""
 
@@ -10,8 +11,8 @@ from pallas_kernels.ragged_paged_attention_gpu import (
 from pallas_kernels.ragged_paged_attention_tpu import (
     ragged_paged_attention as ragged_paged_attention_tpu,
 )
-from pallas_kernels.reference import ragged_paged_attention as ragged_paged_attention_reference
-from pallas_kernels.reference import write_kv
+from pallas_kernels.xla_attention import ragged_paged_attention as ragged_paged_attention_xla
+from pallas_kernels.xla_attention import write_kv
 from pallas_kernels.tiling import (
     default_gpu_tiles,
     default_tpu_tiles,
@@ -24,8 +25,8 @@ __all__ = [
     "default_tpu_tiles",
     "kv_write_tpu",
     "ragged_paged_attention_gpu",
-    "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu",
+    "ragged_paged_attention_xla",
     "validate_gpu_tiling",
     "validate_tpu_tiling",
     "write_kv",

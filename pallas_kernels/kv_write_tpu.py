@@ -128,7 +128,7 @@ def write_kv(
     *,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Same result as reference.write_kv for the step's tokens (padding tokens write nothing).
+    """Same result as xla_attention.write_kv for the step's tokens (padding tokens write nothing).
     Donate the caches to the enclosing jit so the update happens in place."""
     T, H, D = k.shape
     BS = k_cache.shape[3]

@@ -17,9 +17,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
 from pallas_kernels.ragged_schedule import TileSchedule
-from pallas_kernels.tiling import default_gpu_tiles, next_pow2, validate_gpu_tiling
+from pallas_kernels.tiling import (check_attention_args, default_gpu_tiles, next_pow2,
+                                    validate_gpu_tiling)
 
-_MASK_VALUE = -1e30  # as the reference: finite, so a row that sees nothing gives 0, not NaN
+_MASK_VALUE = -1e30  # as the xla backend: finite, so a row that sees nothing gives 0, not NaN
 _NT_DIMS = (((1,), (1,)), ((), ()))  # q @ k.T
 
 
@@ -116,19 +117,11 @@ def ragged_paged_attention(
     interpret: bool = False,
     validate: bool = True,
 ) -> jax.Array:  # [T, Hq, D]
-    """Same contract as reference.ragged_paged_attention."""
+    """Same contract as xla_attention.ragged_paged_attention."""
     T, Hq, D = q.shape
     L, Hkv, NB, BS, Dk = k_cache.shape
     R, P = block_tables.shape
-    if Dk != D or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache/v_cache shapes {k_cache.shape}/{v_cache.shape} do not match "
-                         f"q head_dim {D}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    if soft_cap is not None and soft_cap <= 0:
-        raise ValueError(f"soft_cap must be positive, got {soft_cap}")
-    if Hq % Hkv:
-        raise ValueError(f"num_q_heads={Hq} must be a multiple of num_kv_heads={Hkv}")
+    check_attention_args(q.shape, k_cache.shape, v_cache.shape, sliding_window, soft_cap)
     G = Hq // Hkv
     Gp = next_pow2(G)
     pages, queries = default_gpu_tiles(group=G, block_size=BS, num_tokens=T)

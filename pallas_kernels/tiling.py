@@ -41,6 +41,23 @@ def _check_heads(num_q_heads: int, num_kv_heads: int) -> int:
     return num_q_heads // num_kv_heads
 
 
+def check_attention_args(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
+                         v_shape: tuple[int, ...], sliding_window: int | None,
+                         soft_cap: float | None) -> None:
+    """The arguments every kernel takes: q [T, Hq, D], caches [L, Hkv, NB, BS, D]."""
+    _, Hq, D = q_shape
+    Hkv, Dk = k_shape[1], k_shape[-1]
+    if Dk != D or v_shape != k_shape:
+        raise ValueError(f"k_cache/v_cache shapes {k_shape}/{v_shape} do not match "
+                         f"q head_dim {D}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be positive, got {soft_cap}")
+    if Hq % Hkv:
+        raise ValueError(f"num_q_heads={Hq} must be a multiple of num_kv_heads={Hkv}")
+
+
 def default_tpu_tiles(*, group: int, block_size: int, num_tokens: int,
                       q_dtype: np.dtype | str) -> tuple[int, int]:
     """(num_kv_pages_per_block, num_queries_per_block): ~256 KV tokens per block and query tiles

@@ -23,8 +23,8 @@ import numpy as np
 
 from pallas_kernels import (
     ragged_paged_attention_gpu,
-    ragged_paged_attention_reference,
     ragged_paged_attention_tpu,
+    ragged_paged_attention_xla,
 )
 
 # Peak HBM bandwidth in bytes/s, matched by substring of jax's device_kind (first match wins).
@@ -109,7 +109,7 @@ def time_call(fn: Callable[..., jax.Array], args: tuple[jax.Array, ...],
 
 def backends(platform: str) -> dict[str, Callable[..., jax.Array]]:
     found: dict[str, Callable[..., jax.Array]] = {
-        "reference (xla)": ragged_paged_attention_reference}
+        "reference (xla)": ragged_paged_attention_xla}
     if platform == "tpu":
         found["pallas tpu"] = ragged_paged_attention_tpu
     elif platform == "gpu":

@@ -7,7 +7,8 @@ they run. With the threshold off, a long prompt takes the whole remaining token 
 at most `threshold` prompt tokens. ITL is measured on the decoding requests only.
 
 A run is `threshold` or `threshold:cap`, the cap being `max_num_partial_prefills` (how many
-prompts get prefill tokens in one step; 0 = any number).
+prompts get prefill tokens in one step; 0 = any number). Each run is its own engine built with
+that setting.
 
     python scripts/bench_chunked_prefill.py [--runs 0,64,32,32:1,16:1] [--long-len 960]
 """
@@ -15,11 +16,15 @@ prompts get prefill tokens in one step; 0 = any number).
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bench_common import (DUMMY_CONFIG_DIR, Workload, make_engine, make_workload, markdown_table,
                           pct_ms, run_engine, write_result)
+
+if TYPE_CHECKING:
+    from jaxserve.engine.llm_engine import LLMEngine
 
 VOCAB = 8192
 
@@ -34,6 +39,20 @@ def decode_itl(result, num_decodes: int) -> list[float]:
             for g in np.diff(o.metrics.token_times).tolist()]
 
 
+def warm_engine(threshold: int, cap: int) -> LLMEngine:
+    """An engine with this chunking setting, warmed up. Every engine has the same step shapes,
+    so after the first they reuse the process's compiled programs: none compiles again."""
+    engine = make_engine(DUMMY_CONFIG_DIR, load_format="dummy", max_model_len=1024,
+                         block_size=16, num_kv_blocks=512, max_num_seqs=32,
+                         max_num_batched_tokens=512,
+                         token_buckets=[16, 32, 48, 64, 96, 128, 192, 256, 384, 512],
+                         request_buckets=[8, 16, 32], enable_prefix_caching=False,
+                         precompile=True, long_prefill_token_threshold=threshold,
+                         max_num_partial_prefills=cap)
+    run_engine(engine, make_workload("warm", 4, (32, 600), (4, 4), VOCAB, 99), prefix="warm-")
+    return engine
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", default="0,64,32,32:1,16:1",
@@ -45,17 +64,9 @@ def main() -> None:
     args = p.parse_args()
     runs = [tuple(int(x) for x in (r + ":0").split(":")[:2]) for r in args.runs.split(",")]
 
-    buckets = [16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
-    engine = make_engine(DUMMY_CONFIG_DIR, load_format="dummy", max_model_len=1024,
-                         block_size=16, num_kv_blocks=512, max_num_seqs=32,
-                         max_num_batched_tokens=512, token_buckets=buckets,
-                         request_buckets=[8, 16, 32], enable_prefix_caching=False,
-                         precompile=True)
-    scheduler_config = engine.core.scheduler.config  # the threshold is read at every step
     decodes = make_workload("d", args.decodes, (32, 32), (args.decode_len, args.decode_len),
                             VOCAB, seed=1)
-    run_engine(engine, make_workload("warm", 4, (32, 600), (4, 4), VOCAB, 99), prefix="warm-")
-
+    engine = warm_engine(0, 0)
     steady = run_engine(engine, decodes, prefix="steady-")
     steady_itl = decode_itl(steady, args.decodes)
     step_s = float(np.median(steady_itl))
@@ -71,24 +82,24 @@ def main() -> None:
              pct_ms(steady_itl, 100), "-", "1.0x", steady.num_compilations]]
     steady_p99 = pct_ms(steady_itl, 99)
     for t, cap in runs:
-        scheduler_config.long_prefill_token_threshold = t
-        scheduler_config.max_num_partial_prefills = cap
+        del engine  # one engine at a time (each holds its KV cache)
+        engine = warm_engine(t, cap)
         r = run_engine(engine, mixed, arrival_s=arrivals, prefix=f"t{t}c{cap}-")
         itl = decode_itl(r, args.decodes)
         long_ttft = [o.metrics.time_to_first_token for o in r.outputs
                      if index_of(o) >= args.decodes]
-        name = (f"threshold {t}" if t else "threshold off") + (f", {cap} prefill/step" if cap else "")
+        name = ((f"threshold {t}" if t else "threshold off")
+                + (f", {cap} prefill/step" if cap else ""))
         rows.append([name, t or "-", cap or "-", pct_ms(itl, 50),
                      pct_ms(itl, 99), pct_ms(itl, 100), pct_ms(long_ttft, 50),
                      f"{pct_ms(itl, 99) / steady_p99:.1f}x", r.num_compilations])
-    scheduler_config.long_prefill_token_threshold = 0
-    scheduler_config.max_num_partial_prefills = 0
 
     body = (f"dummy ~30M Llama (random weights), token budget 512/step, {args.decodes} decoding "
             f"requests (32-token prompts, {args.decode_len} output tokens), "
             f"{args.long_prompts} prompts of {args.long_len} tokens arriving while they run. "
             "ITL over the decoding requests only.\n\n"
-            + markdown_table(["run", "threshold", "max_num_partial_prefills", "ITL p50 ms", "ITL p99 ms", "ITL max ms",
+            + markdown_table(["run", "threshold", "max_num_partial_prefills", "ITL p50 ms",
+                              "ITL p99 ms", "ITL max ms",
                               "long prompt TTFT p50 ms", "p99 / steady p99",
                               "compilations in the run"], rows))
     write_result("bench_chunked_prefill", "Chunked prefill: ITL while long prompts arrive", body)

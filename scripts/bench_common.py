@@ -197,7 +197,7 @@ def stories_hf_checkpoint(stories_bin: Path, out_dir: Path | None = None) -> Pat
         "head_dim": c.head_dim, "max_position_embeddings": c.max_position_embeddings,
         "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
         "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": "silu",
-        "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids)[0],
+        "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id,
         "torch_dtype": "float32"}, indent=2))
     return out_dir
 
@@ -236,100 +236,25 @@ def write_result(name: str, title: str, body: str) -> Path:
     return path
 
 
-# ---- per-step timing from outside ---------------------------------------------------------
-class StepTimer:
-    """Wraps an LLMEngine's parts with timers (instance attributes shadow the methods), so one
-    step splits into: schedule, input prep (persistent-batch update, ragged arrays, sampling
-    metadata: the runner's dispatch minus the jitted call), dispatch (the jitted call until it
-    returns un-awaited arrays, host-to-device copies included), device (the runner's collect
-    minus recording the ids: mostly waiting for the result), update (update_from_output and
-    recording sampled ids) and output processing (detokenise, RequestOutputs)."""
+# ---- per-step timing, as the engine records it ------------------------------------------
+def timed_steps_ms(engine: Any, steps: int) -> dict[str, float]:
+    """Run `steps` engine steps; ms per step of each phase the engine times itself
+    (`EngineStats.step_seconds`, see jaxserve/core/step_timing.py: the difference of two
+    readings), and of the whole `LLMEngine.step` as "step"."""
+    before = engine.stats().step_seconds
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    after = engine.stats().step_seconds
+    ms = {phase: 1e3 * (after[phase] - before[phase]) / steps for phase in after}
+    ms["step"] = 1e3 * elapsed / steps
+    return ms
 
-    PARTS = ("schedule", "prep", "dispatch", "device", "update", "output")
 
-    def __init__(self, engine: Any):
-        self.engine = engine
-        self.totals = dict.fromkeys(("schedule", "update", "runner_dispatch", "run", "collect",
-                                     "append", "core", "step", "to_device", "jit_call"), 0.0)
-        self.steps = 0
-        core = engine.core
-        for sched in core.schedulers:
-            sched.schedule = self._timed(sched.schedule, "schedule")
-            sched.update_from_output = self._timed(sched.update_from_output, "update")
-        for worker in core.executor.workers:
-            runner = worker.runner
-            runner.dispatch = self._timed(runner.dispatch, "runner_dispatch")
-            runner.collect = self._timed(runner.collect, "collect")
-            runner._run = self._timed(runner._run, "run")
-            runner.batch.append_sampled = self._timed(runner.batch.append_sampled, "append")
-        core.step = self._timed(core.step, "core")
-        # Inside the dispatch: host-to-device copies of the step inputs vs the jitted call.
-        # Module globals (every engine in the process); skipped if the runner changes shape.
-        import jaxserve.executor.model_runner as mr
-
-        self._patched = [(mr, name, getattr(mr, name)) for name in (
-            "replicate", "_step", "_sample") if hasattr(mr, name)]
-        for module, name, fn in self._patched:
-            setattr(module, name, self._timed(fn, "to_device" if name == "replicate"
-                                              else "jit_call", keep_args=name != "replicate"))
-        self.last_args: dict[str, tuple[Any, ...]] = {}
-
-    def close(self) -> None:
-        for module, name, fn in self._patched:
-            setattr(module, name, fn)
-
-    def _timed(self, fn: Any, part: str, keep_args: bool = False) -> Any:
-        totals = self.totals
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if keep_args:
-                self.last_args[fn.__name__] = args
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                totals[part] += time.perf_counter() - start
-        return wrapper
-
-    def reset(self) -> None:
-        for part in self.totals:  # in place: the wrappers hold this dict
-            self.totals[part] = 0.0
-        self.steps = 0
-
-    def step(self) -> list[Any]:
-        start = time.perf_counter()
-        out = self.engine.step()
-        self.totals["step"] += time.perf_counter() - start
-        self.steps += 1
-        return out
-
-    def device_only_ms(self, repeats: int = 5) -> float:
-        """Best time of the last step (model, then sampler) replayed on its inputs, blocking
-        each time: the step's device work plus two bare dispatches, no host-side prep. It
-        rewrites the same KV slots with the same values, so the engine's state holds."""
-        import jax
-
-        runner = self.engine.core.executor.worker.runner
-        fns = {name: fn for _, name, fn in self._patched}  # unwrapped
-        # _step(statics, layout, params, k_cache, v_cache, prev_sampled, inputs)
-        statics, layout, params, _, _, prev, inputs = self.last_args["_step"]
-        sample_layout, _, _, sample_inputs = self.last_args["_sample"]
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            runner.k_cache, runner.v_cache, logits = fns["_step"](
-                statics, layout, params, runner.k_cache, runner.v_cache, prev, inputs)
-            jax.block_until_ready(fns["_sample"](sample_layout, logits, prev, sample_inputs))
-            times.append(time.perf_counter() - start)
-        return 1e3 * min(times)
-
-    def per_step_ms(self) -> dict[str, float]:
-        t = self.totals
-        parts = {"schedule": t["schedule"], "prep": t["runner_dispatch"] - t["run"],
-                 "dispatch": t["run"], "device": t["collect"] - t["append"],
-                 "update": t["update"] + t["append"], "output": t["step"] - t["core"],
-                 "step": t["step"], "to_device": t["to_device"], "jit_call": t["jit_call"]}
-        return {k: 1e3 * v / max(self.steps, 1) for k, v in parts.items()}
+def device_only_ms(engine: Any, repeats: int = 5) -> float:
+    """The last step's programs re-run on their device inputs (ModelRunner.time_last_step)."""
+    return 1e3 * engine.core.executor.worker.runner.time_last_step(repeats)
 
 
 def fill_decoding(engine: Any, num_requests: int, prompt_len: int, vocab: int,

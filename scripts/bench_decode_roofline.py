@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from bench_common import (DUMMY_CONFIG_DIR, StepTimer, fill_decoding, make_engine,
-                          markdown_table, write_result)
+from bench_common import (DUMMY_CONFIG_DIR, device_only_ms, fill_decoding, make_engine,
+                          markdown_table, timed_steps_ms, write_result)
 
 
 def measure_bandwidth(mib: int = 512, repeats: int = 5) -> dict[str, float]:
@@ -85,17 +85,13 @@ def main() -> None:
     gflops = measure_matmul_gflops()
     flops_per_token = 2 * sum(v.size for k, v in params.items() if k != "embed")
 
-    timer = StepTimer(engine)
     rows = []
     for ctx in contexts:
         for b in batches:
             ids = fill_decoding(engine, b, ctx, cfg.vocab_size, prefix=f"b{b}c{ctx}-")
-            timer.step()
-            timer.reset()
-            for _ in range(args.steps):
-                timer.step()
-            step_ms = timer.per_step_ms()["step"]
-            device_ms = timer.device_only_ms()
+            timed_steps_ms(engine, 1)
+            step_ms = timed_steps_ms(engine, args.steps)["step"]
+            device_ms = device_only_ms(engine)
             kv_bytes = b * (ctx + 2 + args.steps // 2) * kv_token_bytes
             moved = weight_bytes + b * embed_row_bytes + kv_bytes
             bound_ms = moved / (gbps * 1e9) * 1e3
@@ -107,10 +103,9 @@ def main() -> None:
                          f"{100 * roof / device_ms:.0f}%", f"{100 * roof / step_ms:.0f}%"])
             engine.abort_request(ids)
             engine.step()
-    timer.close()
 
-    body = (f"dummy ~30M Llama (8 layers, hidden 512, 4 KV heads x 64, vocab 8192), float32, xla "
-            f"attention backend. Memory bandwidth: "
+    body = ("dummy ~30M Llama (8 layers, hidden 512, 4 KV heads x 64, vocab 8192), float32, xla "
+            "attention backend. Memory bandwidth: "
             + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items())
             + f"; the bound uses {gbps:.1f} GB/s. Matmul: {gflops:.0f} GFLOP/s (jitted "
             "1024x1024 float32).\n\n"
@@ -120,7 +115,8 @@ def main() -> None:
                               "roofline / step"], rows)
             + "\n\nmemory bound = (weights + the batch's embedding rows + KV of every sequence) "
             "/ bandwidth; compute bound = FLOPs / matmul rate; roofline = the larger; "
-            "device-only = the jitted step replayed on inputs already on the device; engine step "
+            "device-only = the jitted step replayed on inputs already on the device (best of 5, "
+            "ModelRunner.time_last_step); engine step "
             "= the whole LLMEngine.step (host work included). A percentage is the share of the "
             "bound reached (100% = at the bound).")
     write_result("bench_decode_roofline", "Decode step against the memory-bandwidth bound", body)

@@ -3,7 +3,7 @@
 A tiny model (stories260K's shape, random weights) keeps the device part small, so what is left
 is the host: scheduler.schedule(), the runner's input prep (persistent batch update, ragged
 arrays, sampling metadata), the jitted call's dispatch, update_from_output and output
-processing. Timed from outside by wrapping those methods (bench_common.StepTimer), with
+processing. Read from the engine's own per-phase timings (`EngineStats.step_seconds`), with
 synchronous steps so the parts add up; then the same batch's step time with async scheduling
 (the default), which hides host work behind the device's.
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import StepTimer, fill_decoding, make_engine, markdown_table, write_result
+from bench_common import (device_only_ms, fill_decoding, make_engine, markdown_table,
+                          timed_steps_ms, write_result)
 
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
         "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8,
@@ -45,43 +45,37 @@ def main() -> None:
             max_num_batched_tokens=largest, token_buckets=sorted(set(sizes)),
             request_buckets=sorted(set(sizes)), precompile=True, async_scheduling=mode)
             for mode in (False, True)}
-        timer = StepTimer(engines[False])
         rows = []
         for n in sizes:
-            ids = fill_decoding(engines[False], n, args.prompt_len, TINY["vocab_size"],
-                                prefix=f"n{n}-")
-            for _ in range(2):  # the first decode steps of a new batch size warm caches
-                timer.step()
-            timer.reset()
-            for _ in range(args.steps):
-                timer.step()
-            ms = timer.per_step_ms()
+            engine = engines[False]
+            ids = fill_decoding(engine, n, args.prompt_len, TINY["vocab_size"], prefix=f"n{n}-")
+            timed_steps_ms(engine, 2)  # the first decode steps of a new batch size warm caches
+            ms = timed_steps_ms(engine, args.steps)
             host = sum(ms[k] for k in ("schedule", "prep", "dispatch", "update", "output"))
-            rows.append([n, ms["step"], ms["schedule"], ms["prep"], ms["to_device"],
-                         ms["jit_call"], ms["update"], ms["output"], host,
-                         f"{100 * host / ms['step']:.0f}%", ms["device"],
-                         timer.device_only_ms()])
-            engines[False].abort_request(ids)
-            engines[False].step()  # let the scheduler drop them
-        timer.close()
-        for row, n in zip(rows, sizes):  # unwrapped now: the async engine runs untimed inside
-            row.append(async_step_ms(engines[True], n, args))
+            rows.append([n, ms["step"], ms["schedule"], ms["prep"], ms["dispatch"],
+                         ms["update"], ms["output"], host, f"{100 * host / ms['step']:.0f}%",
+                         ms["device"], device_only_ms(engine),
+                         async_step_ms(engines[True], n, args)])
+            engine.abort_request(ids)
+            engine.step()  # let the scheduler drop them
 
     body = ("Decode steps only (every request past its prefill), "
             f"{args.steps} steps each; ms per step. Tiny model: stories260K's shape (dim 64, "
             "5 layers, vocab 512), random weights, xla attention backend.\n\n"
-            + markdown_table(["running", "step", "schedule", "input prep", "to device",
-                              "jit call", "update", "output proc.", "host total", "host share",
+            + markdown_table(["running", "step", "schedule", "input prep", "dispatch",
+                              "update", "output proc.", "host total", "host share",
                               "wait (device)", "device only (replay)", "step, async"], rows)
-            + "\n\nschedule = Scheduler.schedule; input prep = persistent-batch update, ragged "
-            "arrays and sampling metadata; to device = readying the step inputs for the call "
-            "(host arrays go in as they are: jit copies them); jit call = the model's and the "
-            "sampler's jitted calls until they return (dispatch; on CPU it can include some "
-            "compute); "
+            + "\n\nEvery phase is the engine's own timing (`EngineStats.step_seconds`, "
+            "jaxserve/core/step_timing.py), step = the whole LLMEngine.step timed by the "
+            "script. schedule = Scheduler.schedule; input prep = persistent-batch update, ragged "
+            "arrays and sampling metadata; dispatch = copying the step inputs to the device and "
+            "the model's and the sampler's jitted calls until they return (on CPU it can "
+            "include some compute); "
             "update = update_from_output + recording the ids; output proc. = detokenising and "
             "RequestOutputs; host total = their sum, host share = host total / step. wait = "
             "fetching the sampled ids (the device finishing the step); device only = the same "
-            "jitted step replayed on inputs already on the device, blocking (best of 5). The "
+            "jitted step replayed on inputs already on the device, blocking (best of 5, "
+            "ModelRunner.time_last_step). The "
             "columns up to here are synchronous steps (`async_scheduling=False`), so the parts "
             "add up. step, async = the same batch's step with async scheduling (the default), "
             "where the host prepares step N+1 while the device runs step N.")
@@ -90,12 +84,8 @@ def main() -> None:
 
 def async_step_ms(engine: Any, n: int, args: argparse.Namespace) -> float:
     ids = fill_decoding(engine, n, args.prompt_len, TINY["vocab_size"], prefix=f"a{n}-")
-    for _ in range(2):
-        engine.step()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    ms = 1e3 * (time.perf_counter() - start) / args.steps
+    timed_steps_ms(engine, 2)
+    ms = timed_steps_ms(engine, args.steps)["step"]
     engine.abort_request(ids)
     engine.step()
     return ms

@@ -163,8 +163,9 @@ def start_server(model_path: str, name: str, server_args: str) -> tuple[subproce
 
 def profile_host(model_path: str, server_args: str, num: int, input_len: int, output_len: int,
                  vocab: int, seed: int) -> str:
-    """In-process, without HTTP: the engine thread's step split into EngineCore.step (schedule,
-    device step, update) and output processing (detokenise, stop strings, delta outputs)."""
+    """In-process, without HTTP: the engine thread's step split into the phases the engine
+    times itself (EngineStats.step_seconds: schedule, prep, dispatch, device, update, and
+    output = detokenise, stop strings, delta outputs)."""
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.entrypoints.cli_args import add_engine_args, engine_kwargs
     from jaxserve.sampling_params import SamplingParams
@@ -173,33 +174,20 @@ def profile_host(model_path: str, server_args: str, num: int, input_len: int, ou
     add_engine_args(parser, skip=("model",))
     engine = LLMEngine.from_engine_args(model=model_path, **engine_kwargs(
         parser.parse_args(shlex.split(server_args)), skip=("model",)))
-    spent = {"core": 0.0, "output": 0.0}
-
-    def timed(key: str, fn):  # noqa: ANN001, ANN202
-        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[key] += time.perf_counter() - start
-        return wrapper
-
-    engine.core.step = timed("core", engine.core.step)
-    proc = engine.output_processor
-    proc.process_outputs = timed("output", proc.process_outputs)
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i in range(num):
         engine.add_request(f"p{i}", rng.integers(3, vocab, size=input_len).tolist(), params)
+    before = engine.stats().step_seconds
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step(delta=True)
         steps += 1
     total = time.perf_counter() - start
+    spent = {k: v - before[k] for k, v in engine.stats().step_seconds.items()}
     return (f"- engine thread, in-process ({num} requests at once, {steps} steps, "
-            f"{1000 * total / steps:.1f} ms/step): EngineCore.step "
-            f"{spent['core'] / total:.1%}, output processing {spent['output'] / total:.1%} "
-            "of the step time")
+            f"{1000 * total / steps:.1f} ms/step), share of the step time by phase (the "
+            "engine's own timings): " + ", ".join(f"{k} {v / total:.1%}" for k, v in spent.items()))
 
 
 def write_table(rows: list[dict], out: Path, header: list[str]) -> str:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import DEFAULT_MAX_QUEUED_REQUESTS, AsyncEngineArgs
 from jaxserve.engine.core import EngineStats
-from jaxserve.engine.input_processor import PromptType
+from jaxserve.engine.input_processor import PromptType, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, accumulate
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -136,7 +136,7 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, arrival_time: float | None = None,
                        priority: int = 0, cache_salt: str | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       lora_request: object | None = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs of `sampling_params.output_kind` (as vLLM: CUMULATIVE by default,
         DELTA, or FINAL_ONLY); the last has `finished=True`. Bad input raises ValueError
         before any output; leaving the loop early (cancel, break, aclose) aborts the request.
@@ -144,6 +144,7 @@ class AsyncLLM:
         Non-final outputs carry a snapshot of the metrics without `token_times` (the delta's
         tokens all came at `last_token_time`); the final output has the full metrics.
         """
+        refuse_lora(lora_request)
         if self._error is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self._error!r}")
         if request_id is None:

@@ -20,6 +20,14 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
+
+def refuse_lora(lora_request: object | None) -> None:
+    """LoRA adapters do not exist here: a request for one is refused, never served by the base
+    model (vLLM's `lora_request=` argument is accepted so that `None` works as there)."""
+    if lora_request is not None:
+        raise ValueError(f"LoRA adapters are not supported, got lora_request={lora_request!r}: "
+                         "this engine serves only its base model")
+
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
                  block_size: int, root_hash: bytes, limits: ModelConfig):
@@ -98,7 +106,9 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
                 arrival_time: float | None = None, priority: int = 0,
-                cache_salt: str | None = None) -> tuple[str | None, list[Request]]:
+                cache_salt: str | None = None, lora_request: object | None = None,
+                ) -> tuple[str | None, list[Request]]:
+        refuse_lora(lora_request)
         params = params if params is not None else SamplingParams()
         self.check_params(params)
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):

@@ -39,11 +39,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None,
+                    lora_request: object | None = None) -> None:
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, requests = self.input_processor.process(request_id, prompt, params, arrival_time,
-                                                      priority, cache_salt)
+                                                      priority, cache_salt, lora_request)
         for child in (r.request_id for r in requests):
             owner = self.output_processor.parent_of.get(child)
             if owner is not None:  # n > 1 samples are "{i}_{id}": they share one namespace
@@ -85,8 +86,7 @@ def _tokenizer(config: EngineConfig, own: Tokenizer | None, model: Any) -> Token
     path = config.model.tokenizer
     if path is None:
         return own
-    tokenizer = load_hf_tokenizer(path, bos_token_id=model.bos_token_id,
-                                  eos_token_id=(model.eos_token_ids or (None,))[0])
+    tokenizer = load_hf_tokenizer(path, model)
     if tokenizer is None:
         raise ValueError(f"tokenizer: no tokenizer.json in {path!r}")
     if tokenizer.vocab_size > model.vocab_size:

@@ -1,4 +1,4 @@
-"""The `jaxserve` command: generate, convert (serve and run join as they land)."""
+"""The `jaxserve` command: generate, convert, serve, run, compile and compile-check."""
 
 from __future__ import annotations
 
@@ -79,13 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--load-format", default="auto")
     conv.set_defaults(func=cmd_convert)
     for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

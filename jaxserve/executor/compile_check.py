@@ -30,6 +30,7 @@ from jaxserve.executor.step_program import (StepProgram, kv_blocks_for, largest_
                                             step_program)
 from jaxserve.executor.targets import Target
 from jaxserve.layers.attention import get_attention_backend, scatter_write
+from jaxserve.layers.axes import DATA_AXIS
 from jaxserve.models.llama import Llama, kv_cache_bytes_per_block
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
 
@@ -197,7 +198,7 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
         raise ValueError(f"tensor_parallel_size {tp} needs {tp} devices; {target.name} has "
                          f"{len(target.devices)}")
     cfg = device_model_config(cfg, tp)
-    mesh = Mesh(np.array(target.devices[:tp]).reshape(1, tp), ("data", AXIS))
+    mesh = Mesh(np.array(target.devices[:tp]).reshape(1, tp), (DATA_AXIS, AXIS))
     max_model_len = config.model.max_model_len or cfg.max_position_embeddings
     bs = config.cache.block_size
     min_blocks = -(-max_model_len // bs) + 1

@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ParallelConfig
+from jaxserve.layers.axes import AXIS, DATA_AXIS
 
 _initialized = False
 
@@ -35,7 +36,7 @@ def rank_meshes(parallel: ParallelConfig, devices: list[Any] | None = None) -> l
     if tp * dp > len(devices):
         raise ValueError(f"tensor_parallel_size {tp} x data_parallel_size_local {dp} needs "
                          f"{tp * dp} devices, but only {len(devices)} are present")
-    return [Mesh(np.array(devices[r * tp:(r + 1) * tp]).reshape(1, tp), ("data", "model"))
+    return [Mesh(np.array(devices[r * tp:(r + 1) * tp]).reshape(1, tp), (DATA_AXIS, AXIS))
             for r in range(dp)]
 
 

@@ -35,6 +35,7 @@ from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_block
                                          padded_block_ids, scatter_blocks)
 from jaxserve.executor.packing import PackedLayout, pack, unpack
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.axes import AXIS
 from jaxserve.layers.sampler import (RowSpec, SamplerOutput, SamplingMetadata,
                                      make_sampling_metadata, sample)
 from jaxserve.models.llama import Llama
@@ -53,6 +54,17 @@ class PendingStep(NamedTuple):
     arrays: StepArrays
     rows: list[RowSpec]
     out: SamplerOutput  # device arrays, possibly still being computed
+
+
+class _LastStep(NamedTuple):
+    """What `time_last_step` re-runs: the last step's device inputs, and the cache it wrote
+    (any other write to the cache makes a replay unsafe)."""
+    layout: PackedLayout
+    prev_sampled: jax.Array
+    inputs: jax.Array
+    sampling_layout: PackedLayout
+    sampling_inputs: jax.Array
+    k_cache: jax.Array
 
 
 class StepStatics:
@@ -167,8 +179,8 @@ class ModelRunner:
         self.batch = InputBatch(block_size, self.max_blocks_per_seq)
         self.block_buckets = block_buckets(self.max_blocks_per_seq)
         self.token_buckets, self.request_buckets = step_buckets(config)
-        # One module-level jit: engines with the same model structure and step shapes share
-        # compiled executables within a process.
+        # Module-level jits (_step, _sample): engines with the same model structure and step
+        # shapes share compiled executables within a process.
         graphdef, self.params = nnx.split(model)
         self.statics = StepStatics(graphdef, backend, self.kv_sharding)
         # The last launched step's sampled ids, and the rows whose next input they are.
@@ -179,6 +191,7 @@ class ModelRunner:
         self.executables: dict[ProgramKey, Any] = {}
         self.compiled_shapes: set[tuple[Any, ...]] = set()
         self.timings = StepTimings()
+        self._last_step: _LastStep | None = None
         self.num_compilations = 0
         self.warmed_up = False
         self.num_steps = 0
@@ -224,26 +237,56 @@ class ModelRunner:
 
     def _run(self, arrays: StepArrays, sampling: SamplingMetadata) -> SamplerOutput:
         inputs, layout = step_inputs(arrays)
-        args = (self.params, self.k_cache, self.v_cache, self.prev_sampled,
-                replicate(inputs, self.mesh))
-        step = self.executables.get(("step", layout))
-        if step is None:
+        if ("step", layout) not in self.executables:
             self._count_shape(("step", len(arrays.input_ids), len(arrays.seq_lens)))
-            self.k_cache, self.v_cache, logits = _step(self.statics, layout, *args)
-        else:
-            self.k_cache, self.v_cache, logits = step(*args)
+        prev, inputs = self.prev_sampled, replicate(inputs, self.mesh)
+        logits = self._call_step(layout, prev, inputs)
         sampling_inputs, sampling_layout = pack(sampling)
-        args = (logits, self.prev_sampled, replicate(sampling_inputs, self.mesh))
-        sample_fn = self.executables.get(("sample", sampling_layout))
-        if sample_fn is None:
+        if ("sample", sampling_layout) not in self.executables:
             self._count_shape(("sample", len(arrays.seq_lens), sampling.output_token_ids.shape[1],
                                sampling.prompt_token_ids.shape[1],
                                sampling.blocked_token_ids.shape[1], sampling.all_greedy,
                                sampling.num_logprobs))
-            out, self.prev_sampled = _sample(sampling_layout, *args)
-        else:
-            out, self.prev_sampled = sample_fn(*args)
+        sampling_inputs = replicate(sampling_inputs, self.mesh)
+        out, self.prev_sampled = self._call_sampler(sampling_layout, logits, prev,
+                                                    sampling_inputs)
+        self._last_step = _LastStep(layout, prev, inputs, sampling_layout, sampling_inputs,
+                                    self.k_cache)
         return out
+
+    def _call_step(self, layout: PackedLayout, prev: jax.Array, inputs: jax.Array) -> jax.Array:
+        args = (self.params, self.k_cache, self.v_cache, prev, inputs)
+        step = self.executables.get(("step", layout))
+        self.k_cache, self.v_cache, logits = (
+            _step(self.statics, layout, *args) if step is None else step(*args))
+        return logits
+
+    def _call_sampler(self, layout: PackedLayout, logits: jax.Array, prev: jax.Array,
+                      inputs: jax.Array) -> tuple[SamplerOutput, jax.Array]:
+        sample_fn = self.executables.get(("sample", layout))
+        return (_sample(layout, logits, prev, inputs) if sample_fn is None
+                else sample_fn(logits, prev, inputs))
+
+    def time_last_step(self, repeats: int = 5) -> float:
+        """Best wall seconds, over `repeats`, of the last launched step's compiled model and
+        sampler programs re-run on the same device inputs, blocking each time: the step's
+        device time plus two bare dispatches, without the host's input prep. The model program
+        donates the caches as the step did and rewrites the same KV slots with the same values;
+        the sampled ids are dropped: the engine's state is unchanged. Call between steps."""
+        last = self._last_step
+        if last is None or last.k_cache is not self.k_cache:
+            raise RuntimeError("time_last_step: no step was launched since the KV cache was "
+                               "last written")
+        jax.block_until_ready((self.k_cache, self.v_cache, self.prev_sampled))
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            logits = self._call_step(last.layout, last.prev_sampled, last.inputs)
+            jax.block_until_ready(self._call_sampler(last.sampling_layout, logits,
+                                                     last.prev_sampled, last.sampling_inputs))
+            best = min(best, time.perf_counter() - start)
+        self._last_step = last._replace(k_cache=self.k_cache)
+        return best
 
     @staticmethod
     def _logprobs(out: SamplerOutput, rows: list[RowSpec]) -> list[Logprobs | None]:
@@ -263,8 +306,8 @@ class ModelRunner:
         given source head for each output head, sharded by head on this mesh where possible."""
         ids = padded_block_ids(block_ids, self.block_buckets)
         self._count_shape(("read_blocks", len(ids), heads))
-        tp = self.mesh.shape["model"]
-        spec = P(None, "model") if len(heads) % tp == 0 else P()
+        tp = self.mesh.shape[AXIS]
+        spec = P(None, AXIS) if len(heads) % tp == 0 else P()
         return gather_blocks(self.k_cache, self.v_cache, ids, heads, NamedSharding(self.mesh, spec))
 
     def write_blocks(self, block_ids: list[int], k: jax.Array | np.ndarray,

@@ -10,9 +10,8 @@ from __future__ import annotations
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxserve.layers.axes import AXIS
 from jaxserve.models.llama_config import LlamaConfig
-
-AXIS = "model"
 
 _SPECS = {
     "embed": P(AXIS, None),

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from pallas_kernels import reference
+from jaxserve.layers.axes import AXIS
+from pallas_kernels import xla_attention
 
 BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 
@@ -37,7 +38,7 @@ def scatter_write(k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array
                    v: jax.Array, slot_mapping: jax.Array, query_start_loc: jax.Array,
                    ) -> tuple[jax.Array, jax.Array]:
     del query_start_loc  # padding tokens write the null block
-    return reference.write_kv(k_cache, v_cache, layer, k, v, slot_mapping)
+    return xla_attention.write_kv(k_cache, v_cache, layer, k, v, slot_mapping)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class AttentionBackend:
     writer: WriteFn = scatter_write
 
     def _per_device(self, is_kernel: bool) -> bool:
-        return is_kernel and self.mesh is not None and self.mesh.shape["model"] > 1
+        return is_kernel and self.mesh is not None and self.mesh.shape[AXIS] > 1
 
     def write(self, k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array, k: jax.Array,
               v: jax.Array, md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
@@ -65,7 +66,7 @@ class AttentionBackend:
         if not self._per_device(self.writer is not scatter_write):
             return self.writer(*args)
         args = (k_cache, v_cache, jnp.asarray(layer, jnp.int32), *args[3:])  # arrays only
-        heads, cache = P(None, "model", None), P(None, "model")
+        heads, cache = P(None, AXIS, None), P(None, AXIS)
         return jax.shard_map(self.writer, mesh=self.mesh,
                              in_specs=(cache, cache, P(), heads, heads, P(), P()),
                              out_specs=(cache, cache), check_vma=False)(*args)
@@ -80,7 +81,7 @@ class AttentionBackend:
         if not self._per_device(self.name != "xla"):
             return kernel(*args)
         args = (q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), *args[4:])  # arrays only
-        heads, cache = P(None, "model", None), P(None, "model")
+        heads, cache = P(None, AXIS, None), P(None, AXIS)
         return jax.shard_map(kernel, mesh=self.mesh,
                              in_specs=(heads, cache, cache, P(), P(), P(), P()),
                              out_specs=heads, check_vma=False)(*args)
@@ -107,7 +108,7 @@ def get_attention_backend(name: str, platform: str | None = None,
     if name == "auto":
         name = "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"
     if name == "xla":
-        return AttentionBackend("xla", reference.ragged_paged_attention, mesh)
+        return AttentionBackend("xla", xla_attention.ragged_paged_attention, mesh)
     if name == "pallas" and platform not in ("tpu", "gpu", "cuda", "rocm"):
         raise ValueError(f"attention_backend 'pallas' needs a TPU or GPU, this is {platform!r}; "
                          "use 'pallas_interpret' or 'xla'")

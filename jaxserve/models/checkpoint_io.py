@@ -62,8 +62,7 @@ def _save_tokenizer(tokenizer: Tokenizer, dst: Path) -> None:
 def _load_tokenizer(src: Path, config: LlamaConfig) -> Tokenizer | None:
     if (src / SENTENCEPIECE_FILE).is_file():
         return SentencePieceTokenizer.from_dict(read_json(src / SENTENCEPIECE_FILE))
-    return load_hf_tokenizer(src, bos_token_id=config.bos_token_id,
-                             eos_token_id=(config.eos_token_ids or (None,))[0])
+    return load_hf_tokenizer(src, config)
 
 
 def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:

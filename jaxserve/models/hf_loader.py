@@ -142,6 +142,5 @@ def load_hf(directory: str | Path) -> LoadedModel:
     config = read_hf_config(directory)
     params = load_hf_params(directory, config)
     check_params(config, params, str(directory))
-    tokenizer = load_hf_tokenizer(directory, bos_token_id=config.bos_token_id,
-                                  eos_token_id=(config.eos_token_ids or (None,))[0])
+    tokenizer = load_hf_tokenizer(directory, config)
     return LoadedModel(config=config, params=params, tokenizer=tokenizer)

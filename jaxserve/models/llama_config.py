@@ -1,7 +1,7 @@
 """Architecture switches of the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3).
 
 One dataclass covers the family; loaders fill it from an HF `config.json`, a GGUF header or a
-llama2.c header. Parameter names and shapes of the canonical weight dict are in `PARAM_SHAPES`.
+llama2.c header. Parameter names and shapes of the canonical weight dict are `param_shapes`.
 """
 
 from __future__ import annotations
@@ -91,6 +91,11 @@ class LlamaConfig:
             if key != "rope_type" and not _is_positive_number(value):
                 raise ValueError(f"model config: rope_scaling.{key} must be a finite number "
                                  f"> 0, got {value!r}")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first EOS id (a tokenizer has one EOS token), or None when there is none."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.config import LOAD_FORMATS
 from jaxserve.models.checkpoint_io import load_converted
 from jaxserve.models.gguf_loader import load_gguf
 from jaxserve.models.hf_loader import load_hf, read_hf_config
@@ -15,7 +16,6 @@ from jaxserve.models.llama_config import LlamaConfig, check_params, param_shapes
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
 from jaxserve.models.tokenizer import load_hf_tokenizer
 
-LOAD_FORMATS = ("auto", "hf", "gguf", "llama2c", "orbax", "dummy")
 _NORMS = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
 
 
@@ -57,8 +57,7 @@ def _load_dummy(path: Path | None, config: LlamaConfig | None, seed: int) -> Loa
             raise ValueError(f"load_format 'dummy': no config.json at {path}")
         config = read_hf_config(config_file.parent)
     if path is not None and path.is_dir():
-        tokenizer = load_hf_tokenizer(path, bos_token_id=config.bos_token_id,
-                                      eos_token_id=(config.eos_token_ids or (None,))[0])
+        tokenizer = load_hf_tokenizer(path, config)
     params = dummy_params(config, seed)
     check_params(config, params, "dummy weights")
     return LoadedModel(config=config, params=params, tokenizer=tokenizer)

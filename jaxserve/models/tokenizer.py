@@ -7,7 +7,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxserve.models.llama_config import LlamaConfig
 
 # Files that make up an HF tokenizer directory; copied verbatim when a checkpoint is converted.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -179,9 +182,10 @@ class HFTokenizer(Tokenizer):
         return self.encode(text, add_special_tokens=False)
 
 
-def load_hf_tokenizer(directory: str | Path, *, bos_token_id: int | None = None,
-                      eos_token_id: int | None = None) -> HFTokenizer | None:
-    """The tokenizer of an HF checkpoint directory, or None when it has no `tokenizer.json`."""
+def load_hf_tokenizer(directory: str | Path, model: LlamaConfig) -> HFTokenizer | None:
+    """The tokenizer of an HF checkpoint directory, with the model's BOS and (first) EOS ids,
+    or None when it has no `tokenizer.json`."""
     if not (Path(directory) / "tokenizer.json").exists():
         return None
-    return HFTokenizer(directory, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    return HFTokenizer(directory, bos_token_id=model.bos_token_id,
+                       eos_token_id=model.eos_token_id)

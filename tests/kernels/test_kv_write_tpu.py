@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels import kv_write_tpu
 from pallas_kernels.kv_write_tpu import max_write_units, write_units
-from pallas_kernels.reference import write_kv
+from pallas_kernels.xla_attention import write_kv
 
 L, H, NB, BS, D = 2, 2, 24, 32, 128
 T, R = 96, 6

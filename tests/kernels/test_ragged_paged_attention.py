@@ -1,4 +1,5 @@
-"""Interpret-mode numerics of the TPU and GPU ragged paged-attention kernels against the reference.
+"""Interpret-mode numerics of the TPU and GPU ragged paged-attention kernels against the `xla`
+backend (pallas_kernels/xla_attention.py, itself checked against the plain oracle).
 
 Every (kernel, config) pair compiles once: shapes are fixed per config and hypothesis varies only
 the data (query/KV lengths, which blocks are shared, padding). Tolerances, max |kernel - ref| over
@@ -22,8 +23,8 @@ from hypothesis import strategies as st
 
 from pallas_kernels import (
     ragged_paged_attention_gpu,
-    ragged_paged_attention_reference,
     ragged_paged_attention_tpu,
+    ragged_paged_attention_xla,
 )
 
 NUM_TOKENS = 40  # padded T: real rows first, then rows that belong to no request
@@ -127,7 +128,7 @@ def compiled(kernel: str, name: str) -> Callable[..., jax.Array]:
     kw = dict(sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
               soft_cap=cfg.soft_cap)
     if kernel == "reference":
-        return jax.jit(functools.partial(ragged_paged_attention_reference, **kw))
+        return jax.jit(functools.partial(ragged_paged_attention_xla, **kw))
     tiles = dict(cfg.tpu_tiles if kernel == "tpu" else cfg.gpu_tiles)
     return jax.jit(functools.partial(KERNELS[kernel], interpret=True, **kw, **tiles))
 

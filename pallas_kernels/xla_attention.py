@@ -1,4 +1,6 @@
-"""Pure-JAX ragged paged attention and KV-cache write: the `xla` backend and the kernels' reference.
+"""Pure-JAX ragged paged attention and KV-cache write: the `xla` backend, optimised (split-KV
+over query tiles, work proportional to the visible KV). The kernels are tested against it, and it
+against the plain per-row oracle (oracle.py).
 
 KV cache layout, shared by every backend: one stacked array per K and V,
     k_cache, v_cache: [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
