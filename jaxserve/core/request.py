@@ -74,6 +74,7 @@ class Request:
     max_tokens: int = 2**31 - 1  # output tokens allowed, already capped by max_model_len
     seed: int = 0  # the sampler's per-request seed
     group_id: str | None = None  # the parent request of n > 1 samples, which share the prompt
+    structured_output: Any = None  # StructuredOutputRequest: its grammar's matcher
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

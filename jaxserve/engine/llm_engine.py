@@ -28,7 +28,8 @@ class LLMEngine:
         self.tokenizer = _tokenizer(config, worker.loaded.tokenizer, worker.model_config)
         self.input_processor = InputProcessor(
             self.tokenizer, self.core.model_config.vocab_size, self.core.max_model_len,
-            config.cache.block_size, self.core.root_hash, config.model)
+            config.cache.block_size, self.core.root_hash, config.model,
+            self.core.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
