@@ -199,3 +199,21 @@ def test_async_scheduling_never_runs_a_constrained_request_ahead_of_its_matcher(
         batch.prepare = prepare
     assert all(re.fullmatch(r"[0-9]{4,12}", t) for t in outs)
     assert device_inputs[0] == 0
+
+
+def test_constraints_compose_with_n_logprobs_penalties_and_stop_strings(llm):
+    regex = r"[a-e]{3,8}( [0-9]{1,3}){0,3}"
+    params = SamplingParams(n=3, temperature=1.0, seed=4, top_k=20, top_p=0.9, max_tokens=60,
+                            logprobs=2, repetition_penalty=1.2, presence_penalty=0.5,
+                            structured_outputs=StructuredOutputsParams(regex=regex))
+    (out,) = llm.generate(PROMPT, params, use_tqdm=False)
+    assert len(out.outputs) == 3
+    for comp in out.outputs:
+        assert comp.finish_reason == "stop" and re.fullmatch(regex, comp.text), comp.text
+        assert len(comp.logprobs) == len(comp.token_ids)
+    # A stop string ends a constrained output early: a prefix of a match, without the stop.
+    (out,) = llm.generate(PROMPT, constrained(regex=r"[a-e]{4,8}x[0-9]{2}", seed=6, stop="x"),
+                          use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop"
+    assert re.fullmatch(r"[a-e]{4,8}", out.outputs[0].text), out.outputs[0].text
+    assert_no_leaks(llm.engine)

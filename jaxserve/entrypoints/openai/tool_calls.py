@@ -31,29 +31,10 @@ def _as_call(obj: Any) -> ToolCall | None:
     return _call(obj["name"], {} if args is None else args)
 
 
-def _hermes(text: str) -> tuple[str | None, list[ToolCall]] | None:
-    blocks = _HERMES.findall(text)
-    if not blocks:
-        return None
+def _calls_of(parts: list[str]) -> list[ToolCall] | None:
+    """One call per JSON text, or None if any is not a call."""
     calls = []
-    for block in blocks:
-        try:
-            call = _as_call(json.loads(block))
-        except ValueError:
-            return None
-        if call is None:
-            return None
-        calls.append(call)
-    content = text[:text.index("<tool_call>")].strip()
-    return content or None, calls
-
-
-def _llama3(text: str) -> tuple[str | None, list[ToolCall]] | None:
-    body = text.strip().removeprefix(_PYTHON_TAG).strip()
-    if not body.startswith("{"):
-        return None
-    calls = []
-    for part in body.split(";"):
+    for part in parts:
         try:
             call = _as_call(json.loads(part))
         except ValueError:
@@ -61,7 +42,22 @@ def _llama3(text: str) -> tuple[str | None, list[ToolCall]] | None:
         if call is None:
             return None
         calls.append(call)
-    return None, calls
+    return calls
+
+
+def _hermes(text: str) -> tuple[str | None, list[ToolCall]] | None:
+    blocks = _HERMES.findall(text)
+    calls = _calls_of(blocks) if blocks else None
+    if calls is None:
+        return None
+    content = text[:text.index("<tool_call>")].strip()
+    return content or None, calls
+
+
+def _llama3(text: str) -> tuple[str | None, list[ToolCall]] | None:
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    calls = _calls_of(body.split(";")) if body.startswith("{") else None
+    return None if calls is None else (None, calls)
 
 
 def parse_tool_calls(text: str, mode: str, req: ChatCompletionRequest,
