@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import REPO_ROOT, markdown_table, write_result  # noqa: E402
+from bench_common import REPO_ROOT, markdown_table, write_result
 
-ENGINE = dict(max_model_len=256, num_kv_blocks=512, block_size=16, max_num_seqs=32,
-              max_num_batched_tokens=256, token_buckets=[32, 64, 128, 256],
-              request_buckets=[8, 16, 32], precompile=True)
+ENGINE = {"max_model_len": 256, "num_kv_blocks": 512, "block_size": 16, "max_num_seqs": 32,
+          "max_num_batched_tokens": 256, "token_buckets": [32, 64, 128, 256],
+          "request_buckets": [8, 16, 32], "precompile": True}
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 6},
@@ -141,21 +141,25 @@ def main() -> None:
     if ratios:
         body += (f"**0% constrained, this tree / base: {statistics.median(ratios):.3f} in wall "
                  f"time, {statistics.median(cpu_ratios):.3f} in CPU time** (median of "
-                 f"{len(ratios)} paired process runs; 1.0 = same throughput). Output tok/s:\n\n"
+                 f"{len(ratios)} paired process runs; 1.0 = same throughput; CPU time is the "
+                 "steadier measure on a shared machine). Output tok/s:\n\n"
                  + markdown_table(["tree", "constrained", "tok/s (wall)", "tok/s (CPU)"], rows)
                  + "\n\nratios (wall): " + ", ".join(f"{r:.3f}" for r in ratios) + "\n\n")
     body += (f"Shipped model (vocabulary 2048), {args.requests} requests of at most "
              f"{args.max_tokens} tokens at temperature 0.8, {args.repeats} runs, "
-             f"{jax.default_backend()}; constrained = a JSON schema of 3 fields. The mask "
-             "phase is outside the other phases (the step time excludes it); a constrained "
-             "request also turns off async overlap while it runs.\n\n"
+             f"{jax.default_backend()}; constrained = a JSON schema of 3 fields. Step ms: "
+             "the engine's phases per step; the mask phase is a part of its schedule and update "
+             "phases. A constrained request also turns off async overlap while it runs.\n\n"
              + markdown_table(["requests", "output tokens", "tok/s", "steps", "step ms",
                                "mask us/token", "dispatch us/token",
                                "compilations after warm-up"],
                               [summary(free, "0% constrained"),
                                summary(constrained, "100% constrained")])
-             + "\n\nThe bitmask's host -> device copy alone (it travels packed with the "
-               "sampler's other inputs, one copy per step):\n\n"
+             + "\n\nWithout async overlap the device work shows up in the host's phases: "
+               "on CPU a dispatch with the device idle runs much of the step inline.\n\n"
+               "The bitmask's host -> device copy alone (it travels packed with the "
+               "sampler's other inputs, one copy per step; on a CPU backend the 'device' is "
+               "host memory, so this is a copy or an alias, not a PCIe transfer):\n\n"
              + markdown_table(["rows x vocabulary", "bytes", "copy us (median)"], transfer))
     write_result("bench_structured_outputs", "Structured outputs", body)
 

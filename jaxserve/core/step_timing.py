@@ -3,7 +3,8 @@ stay on (two perf_counter calls a phase). Phases: schedule (the scheduler), prep
 batch, ragged arrays, sampling metadata), dispatch (the jitted calls until they return
 un-awaited arrays, host-to-device copies included), device (waiting for the sampled ids),
 update (recording ids, update_from_output), output (detokenising, RequestOutputs) and mask
-(structured outputs: grammar bitmasks in the scheduler, matchers advanced in its update)."""
+(structured outputs: grammar bitmasks in the scheduler, matchers advanced in its update; a part
+of schedule and update, not added to them)."""
 
 from __future__ import annotations
 

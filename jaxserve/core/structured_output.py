@@ -153,9 +153,15 @@ class StructuredOutputManager:
         self.tokenizer = ll_tokenizer(tokenizer, vocab_size, eos_token_ids)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # by params.key
+        self._valid: dict[tuple[str, str], str] = {}  # params.key -> grammar text
 
     def validate(self, params: StructuredOutputsParams) -> str:
-        """The grammar text, or ValueError naming what is wrong with the constraint."""
+        """The grammar text, or ValueError naming what is wrong with the constraint. Valid
+        ones are remembered: the server validates on its request thread, and the engine
+        thread then only looks the grammar up."""
+        grammar = self._valid.get(params.key)
+        if grammar is not None:
+            return grammar
         try:
             grammar = grammar_of(params)
         except (ValueError, TypeError) as e:
@@ -164,6 +170,9 @@ class StructuredOutputManager:
             grammar, self.tokenizer)
         if is_error:
             raise ValueError(f"structured_outputs.{params.key[0]} is invalid: {messages[0]}")
+        if len(self._valid) >= MAX_CACHED_GRAMMARS:
+            self._valid.clear()
+        self._valid[params.key] = grammar
         return grammar
 
     def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:

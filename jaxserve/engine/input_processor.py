@@ -26,7 +26,7 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
                  block_size: int, root_hash: bytes, limits: ModelConfig,
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), structured_outputs: bool = True):
         """`limits`: the engine's seed and per-request limits (max_logprobs, max_n)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -37,6 +37,7 @@ class InputProcessor:
         self.max_n = limits.max_n
         self.rng = np.random.default_rng(limits.seed)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.supports_structured_outputs = structured_outputs
         self._structured: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()
         per_token = None if tokenizer is None else tokenizer.max_token_chars()
@@ -107,6 +108,9 @@ class InputProcessor:
 
     def structured_outputs(self) -> StructuredOutputManager:
         """The grammar manager, made on first use (any thread)."""
+        if not self.supports_structured_outputs:
+            raise ValueError("structured_outputs is not supported with disaggregated "
+                             "prefill/decode")
         with self._structured_lock:
             if self._structured is None:
                 if self.tokenizer is None:

@@ -29,7 +29,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.core.model_config.vocab_size, self.core.max_model_len,
             config.cache.block_size, self.core.root_hash, config.model,
-            self.core.model_config.eos_token_ids)
+            self.core.model_config.eos_token_ids,
+            # Its requests cross to the decode side (maybe another process) without a matcher.
+            structured_outputs=config.parallel.disaggregation is None)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

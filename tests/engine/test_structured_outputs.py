@@ -212,8 +212,10 @@ def test_constraints_compose_with_n_logprobs_penalties_and_stop_strings(llm):
         assert comp.finish_reason == "stop" and re.fullmatch(regex, comp.text), comp.text
         assert len(comp.logprobs) == len(comp.token_ids)
     # A stop string ends a constrained output early: a prefix of a match, without the stop.
-    (out,) = llm.generate(PROMPT, constrained(regex=r"[a-e]{4,8}x[0-9]{2}", seed=6, stop="x"),
-                          use_tqdm=False)
+    stopped = SamplingParams(temperature=1.0, seed=6, max_tokens=60, stop="x",
+                             structured_outputs=StructuredOutputsParams(
+                                 regex=r"[a-e]{4,8}x[0-9]{2}"))
+    (out,) = llm.generate(PROMPT, stopped, use_tqdm=False)
     assert out.outputs[0].finish_reason == "stop"
     assert re.fullmatch(r"[a-e]{4,8}", out.outputs[0].text), out.outputs[0].text
     assert_no_leaks(llm.engine)
