@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 import numbers
 from dataclasses import dataclass
 from enum import IntEnum
@@ -43,6 +44,60 @@ def _check_float(name: str, value: object) -> float:
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to one of: a JSON schema (dict or JSON text), a regex, a choice of
+    strings, a Lark grammar (llguidance's dialect), or any JSON object (vLLM's names)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {given or 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = _json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from e
+            if not isinstance(self.json, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema object, got "
+                                 f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, "
+                                 f"got {value!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 f"strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a bool, "
+                             f"got {self.json_object!r}")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the grammar cache is keyed by."""
+        if self.json is not None:
+            return "json", _json.dumps(self.json, sort_keys=True)
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -62,6 +117,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # how AsyncLLM streams
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
@@ -100,6 +156,12 @@ class SamplingParams:
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         _check_int("logprobs", self.logprobs, allow_none=True)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:
@@ -137,6 +199,12 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_host_history(self) -> bool:
+        """Whether each token depends on the ones before it on the host (penalties read the
+        history, a grammar's mask follows it): async scheduling must not run ahead of it."""
+        return self.has_penalties or self.structured_outputs is not None
 
 
 def request_seed(params: SamplingParams, rng: np.random.Generator, index: int = 0) -> int:

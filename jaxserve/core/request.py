@@ -84,6 +84,7 @@ class Request:
     seed: int = 0  # the sampler's per-request seed
     group_id: str | None = None  # the parent request of n > 1 samples, which share the prompt
     kv_transfer: KVTransfer | None = None
+    structured_output: Any = None  # StructuredOutputRequest: its grammar's matcher
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -26,6 +26,8 @@ from jaxserve.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from jaxserve.core.step_timing import StepTimings
+from jaxserve.core.structured_output import grammar_bitmask
 
 
 @dataclass(slots=True)
@@ -67,6 +69,10 @@ class Scheduler:
         self.sending: dict[str, Request] = {}
         self._holding: set[str] = set()
         self._loads: list[KVLoad] = []
+        # Structured outputs: requests failed before they ran (their grammar did not compile),
+        # reported by the next update; the mask work is timed as its own phase.
+        self._failed: list[EngineCoreOutput] = []
+        self.timings = StepTimings()
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -138,12 +144,20 @@ class Scheduler:
                     request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1
                 sampling.add(request.request_id)
+        constrained = [r for r in self.running
+                       if r.structured_output is not None and r.request_id in sampling]
+        bitmask = None
+        if constrained:
+            with self.timings.phase("mask"):
+                bitmask = grammar_bitmask([r.structured_output for r in constrained])
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted,
-            sampling_req_ids=sampling, step=self.num_steps, kv_loads=self._loads)
+            sampling_req_ids=sampling, step=self.num_steps, kv_loads=self._loads,
+            structured_output_req_ids=[r.request_id for r in constrained],
+            grammar_bitmask=bitmask)
         self.finished_req_ids, self._loads = set(), []
         self.num_steps += 1
         return out
@@ -209,6 +223,15 @@ class Scheduler:
                 if not self._waits_on_remote(request) and not self._allocate_for_load(request):
                     break
                 deferred.append(self.waiting.popleft())
+                continue
+            so = request.structured_output
+            if so is not None and not so.ready():
+                deferred.append(self.waiting.popleft())  # its grammar is still compiling
+                continue
+            if so is not None and so.error is not None:
+                self._free(self.waiting.popleft(), RequestStatus.FINISHED_ERROR)
+                self._failed.append(EngineCoreOutput(request.request_id, [],
+                                                     finish_reason="error", error=so.error))
                 continue
             if request.group_id is not None and request.group_id in prefilling:
                 # A sibling (n > 1) is computing the shared prompt: wait one step, then hit
@@ -364,7 +387,7 @@ class Scheduler:
     # ---- after the step ------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput,
                            result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._failed = self._failed, []
         self._num_updated = max(self._num_updated, sched.step + 1)
         if self._unsettled:
             self._unsettled = {r: n for r, n in self._unsettled.items() if n > self._num_updated}
@@ -386,6 +409,9 @@ class Scheduler:
                       logprobs: Logprobs | None) -> EngineCoreOutput:
         request.append_output_token_ids(token)
         status = self._check_stop(request, token)
+        if request.structured_output is not None and status is None:
+            with self.timings.phase("mask"):
+                status = self._advance_grammar(request, token)
         out = EngineCoreOutput(request.request_id, [token],
                                [logprobs] if logprobs is not None else [],
                                num_cached_tokens=max(request.num_cached_tokens, 0))
@@ -395,7 +421,19 @@ class Scheduler:
             self._free(request, status)
             out.finish_reason = RequestStatus.get_finished_reason(status)
             out.stop_reason = request.stop_reason
+            if status == RequestStatus.FINISHED_ERROR:
+                out.error = request.structured_output.error
         return out
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> RequestStatus | None:
+        """Feed a sampled token to the request's matcher: stopped once the grammar is complete
+        (nothing but EOS could follow), failed if the matcher refuses it (the mask forbids that
+        unless every token was masked, e.g. EOS held back by min_tokens)."""
+        so = request.structured_output
+        if not so.accept(token):
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if so.is_terminated else None
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -50,6 +50,10 @@ class SchedulerOutput:
     sampling_req_ids: set[str] = field(default_factory=set)
     step: int = 0  # the scheduler's count of steps before this one
     kv_loads: list[KVLoad] = field(default_factory=list)
+    # Structured outputs: the tokens each constrained sampling request may take this step,
+    # one bit per token; rows in the order of structured_output_req_ids.
+    structured_output_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None  # i32[len(structured_output_req_ids), ceil(V / 32)] | None
 
     @property
     def is_empty(self) -> bool:

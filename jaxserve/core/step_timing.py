@@ -2,7 +2,9 @@
 stay on (two perf_counter calls a phase). Phases: schedule (the scheduler), prep (persistent
 batch, ragged arrays, sampling metadata), dispatch (the jitted calls until they return
 un-awaited arrays, host-to-device copies included), device (waiting for the sampled ids),
-update (recording ids, update_from_output) and output (detokenising, RequestOutputs)."""
+update (recording ids, update_from_output), output (detokenising, RequestOutputs) and mask
+(structured outputs: grammar bitmasks in the scheduler, matchers advanced in its update; a part
+of schedule and update, not added to them)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-PHASES = ("schedule", "prep", "dispatch", "device", "update", "output")
+PHASES = ("schedule", "prep", "dispatch", "device", "update", "output", "mask")
 
 
 @dataclass(slots=True)

@@ -6,8 +6,8 @@ for step N and applies its tokens, so the host's work overlaps the device's. The
 counts the ids in flight as placeholders: a decode is scheduled again before its last token is
 known, and the model runner feeds it that token from the device. A request that stops on a
 token sampled at N has already had one more token computed at N+1, which is dropped. Requests
-with penalties need their whole history on the host, so while one runs the core waits for N
-before scheduling N+1.
+with penalties or a grammar need their whole history on the host, so while one runs the core
+waits for N before scheduling N+1.
 
 A step that raises while it is prepared, launched or read back fails the requests it carried
 (finish reason "error", blocks freed) and the engine goes on, unless the device state is lost
@@ -236,8 +236,9 @@ class EngineCore:
         return outputs
 
     def _needs_host_history(self) -> bool:
-        """Whether a request with tokens in flight has penalties (computed from its history)."""
-        return any(r.num_output_placeholders and r.sampling_params.has_penalties
+        """Whether a request with tokens in flight needs its history on the host (penalties,
+        a grammar's mask)."""
+        return any(r.num_output_placeholders and r.sampling_params.needs_host_history
                    for s in self.schedulers for r in s.running)
 
     def stats(self) -> EngineStats:
@@ -254,7 +255,8 @@ class EngineCore:
             num_compilations=sum(w.runner.num_compilations for w in self.executor.workers),
             warm_up_seconds=self.warm_up_seconds,
             step_seconds=self.timings.merged(
-                *(w.runner.timings for w in self.executor.workers)).seconds,
+                *(w.runner.timings for w in self.executor.workers),
+                *(s.timings for s in self.schedulers)).seconds,
             kv_transfer=None if self.connector is None else self.connector.stats())
 
     def close(self) -> None:

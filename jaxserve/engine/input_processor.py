@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Union
 
 import numpy as np
@@ -11,6 +13,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.inputs import PROMPT_KEYS
 from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.core.request import Request
+from jaxserve.core.structured_output import StructuredOutputManager
 from jaxserve.sampling_params import SamplingParams, request_seed
 
 PromptType = Union[str, dict[str, Any], list[int]]
@@ -30,7 +33,8 @@ def refuse_lora(lora_request: object | None) -> None:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 block_size: int, root_hash: bytes, limits: ModelConfig):
+                 block_size: int, root_hash: bytes, limits: ModelConfig,
+                 eos_token_ids: Sequence[int] = (), structured_outputs: bool = True):
         """`limits`: the engine's seed and per-request limits (max_logprobs, max_n)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -40,6 +44,10 @@ class InputProcessor:
         self.max_logprobs = limits.max_logprobs
         self.max_n = limits.max_n
         self.rng = np.random.default_rng(limits.seed)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.supports_structured_outputs = structured_outputs
+        self._structured: StructuredOutputManager | None = None
+        self._structured_lock = threading.Lock()
         per_token = None if tokenizer is None else tokenizer.max_token_chars()
         # A longer text has more than max_model_len tokens whatever it says.
         self.max_prompt_chars = None if per_token is None else max_model_len * max(per_token, 1)
@@ -103,6 +111,22 @@ class InputProcessor:
         if bad_stop:
             raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self.structured_outputs().validate(params.structured_outputs)
+
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar manager, made on first use (any thread)."""
+        if not self.supports_structured_outputs:
+            raise ValueError("structured_outputs is not supported with disaggregated "
+                             "prefill/decode")
+        with self._structured_lock:
+            if self._structured is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs: this model has no tokenizer")
+                self._structured = StructuredOutputManager(
+                    self.tokenizer, self.vocab_size,
+                    self.eos_token_ids or [self.tokenizer.eos_token_id])
+            return self._structured
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
                 arrival_time: float | None = None, priority: int = 0,
@@ -128,4 +152,8 @@ class InputProcessor:
                     max_tokens=max_tokens, seed=request_seed(params, self.rng, i),
                     group_id=request_id if params.n > 1 else None)
             for i in range(params.n)]
+        if params.structured_outputs is not None:
+            for request in requests:
+                request.structured_output = self.structured_outputs().request(
+                    params.structured_outputs)
         return text, requests

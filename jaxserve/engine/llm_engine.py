@@ -27,7 +27,10 @@ class LLMEngine:
         self.tokenizer = _tokenizer(config, self.core.tokenizer, self.core.model_config)
         self.input_processor = InputProcessor(
             self.tokenizer, self.core.model_config.vocab_size, self.core.max_model_len,
-            config.cache.block_size, self.core.root_hash, config.model)
+            config.cache.block_size, self.core.root_hash, config.model,
+            self.core.model_config.eos_token_ids,
+            # Its requests cross to the decode side (maybe another process) without a matcher.
+            structured_outputs=config.parallel.disaggregation is None)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

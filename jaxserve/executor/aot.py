@@ -66,7 +66,7 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
     token_buckets, request_buckets = step_buckets(config)
     programs, left = compile_all(program, warm_up_programs(
         token_buckets, request_buckets, program.max_blocks_per_seq, cfg.eos_token_ids,
-        config.model.max_logprobs))
+        config.model.max_logprobs, cfg.vocab_size))
     kv = program.kv
     programs[compiled_dir.KV_INIT] = jax.jit(
         lambda: (jnp.zeros(kv.shape, kv.dtype), jnp.zeros(kv.shape, kv.dtype)),

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, power_of_two_buckets
 from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from jaxserve.core.structured_output import mask_words
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.executor.mesh import replicate, to_host
 from jaxserve.executor.input_batch import InputBatch, StepArrays
@@ -143,24 +144,41 @@ def step_inputs(arrays: StepArrays) -> tuple[np.ndarray, PackedLayout]:
 
 def warm_up_programs(token_buckets: list[int], request_buckets: list[int],
                      max_blocks_per_seq: int, eos_token_ids: tuple[int, ...],
-                     max_logprobs: int) -> list[tuple[StepArrays, SamplingMetadata]]:
+                     max_logprobs: int, vocab_size: int = 0,
+                     ) -> list[tuple[StepArrays, SamplingMetadata]]:
     """The steps warm-up runs: the model for every (token bucket, request bucket) pair, and the
-    sampler for every request bucket: greedy and sampled, without and with logprobs. Penalties
-    compile the sampler (only) for each new history width on first use."""
+    sampler for every request bucket: greedy and sampled, without and with logprobs, without
+    and (given `vocab_size`) with a grammar bitmask. Penalties compile the sampler (only) for
+    each new history width on first use."""
     logprobs_widths = sorted({0, max_logprobs})
+    mask_widths = sorted({0, mask_words(vocab_size)})
     sampler_done: set[int] = set()
     out = []
     for T, R in bucket_pairs(token_buckets, request_buckets):
         # The sampler's shapes depend on R only: all of its variants with the first T.
-        variants = [(True, 0)] if R in sampler_done else [
-            (greedy, n) for greedy in (True, False) for n in logprobs_widths]
+        variants = [(True, 0, 0)] if R in sampler_done else [
+            (greedy, n, w) for greedy in (True, False) for n in logprobs_widths
+            for w in mask_widths]
         sampler_done.add(R)
-        for greedy, num_logprobs in variants:
-            sampling = make_sampling_metadata([], R, eos_token_ids=eos_token_ids,
-                                              num_logprobs=num_logprobs)
+        for greedy, num_logprobs, words in variants:
+            sampling = make_sampling_metadata(
+                [], R, eos_token_ids=eos_token_ids, num_logprobs=num_logprobs,
+                token_bitmask=np.full((R, words), -1, np.int32) if words else None)
             if not greedy:
                 sampling = dataclasses.replace(sampling, all_greedy=False)
             out.append((StepArrays.empty(T, R, max_blocks_per_seq), sampling))
+    return out
+
+
+def step_bitmask(sched: SchedulerOutput, req_ids: list[str], num_rows: int,
+                 ) -> np.ndarray | None:
+    """i32[num_rows, W]: the scheduler's grammar bitmask in the step's row order, all ones for
+    free rows and padding; None when no row is constrained (the sampler's mask-free shape)."""
+    if sched.grammar_bitmask is None:
+        return None
+    out = np.full((num_rows, sched.grammar_bitmask.shape[1]), -1, np.int32)
+    rows = {req_id: i for i, req_id in enumerate(req_ids)}
+    out[[rows[r] for r in sched.structured_output_req_ids]] = sched.grammar_bitmask
     return out
 
 
@@ -214,7 +232,8 @@ class ModelRunner:
             wants_logprobs = any(row.params.logprobs is not None for row in rows)
             sampling = make_sampling_metadata(
                 rows, len(arrays.seq_lens), eos_token_ids=self.eos_token_ids,
-                num_logprobs=self.config.model.max_logprobs if wants_logprobs else 0)
+                num_logprobs=self.config.model.max_logprobs if wants_logprobs else 0,
+                token_bitmask=step_bitmask(sched, arrays.req_ids, len(arrays.seq_lens)))
         with self.timings.phase("dispatch"):
             pending = PendingStep(arrays, rows, self._run(arrays, sampling))
         self.batch.mark_pending(arrays)
@@ -245,7 +264,8 @@ class ModelRunner:
         if ("sample", sampling_layout) not in self.executables:
             self._count_shape(("sample", len(arrays.seq_lens), sampling.output_token_ids.shape[1],
                                sampling.prompt_token_ids.shape[1],
-                               sampling.blocked_token_ids.shape[1], sampling.all_greedy,
+                               sampling.blocked_token_ids.shape[1],
+                               sampling.token_bitmask.shape[1], sampling.all_greedy,
                                sampling.num_logprobs))
         sampling_inputs = replicate(sampling_inputs, self.mesh)
         out, self.prev_sampled = self._call_sampler(sampling_layout, logits, prev,
@@ -363,7 +383,8 @@ class ModelRunner:
 
     def warm_up_programs(self) -> list[tuple[StepArrays, SamplingMetadata]]:
         return warm_up_programs(self.token_buckets, self.request_buckets, self.max_blocks_per_seq,
-                                self.eos_token_ids, self.config.model.max_logprobs)
+                                self.eos_token_ids, self.config.model.max_logprobs,
+                                self.model.cfg.vocab_size)
 
     def _loaded(self, arrays: StepArrays, sampling: SamplingMetadata) -> bool:
         return (("step", step_inputs(arrays)[1]) in self.executables

@@ -30,7 +30,7 @@ BLOCKED_MIN_BUCKET = 4  # smallest padded width of blocked_token_ids when presen
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_k", "top_p", "min_p", "seeds", "steps",
                  "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "output_token_ids", "prompt_token_ids", "blocked_token_ids"],
+                 "output_token_ids", "prompt_token_ids", "blocked_token_ids", "token_bitmask"],
     meta_fields=["all_greedy", "num_logprobs"])
 @dataclass(frozen=True)
 class SamplingMetadata:
@@ -46,6 +46,9 @@ class SamplingMetadata:
     output_token_ids: jax.Array    # i32[R, Lo]  -1 padded; Lo = 0 when no row has penalties
     prompt_token_ids: jax.Array    # i32[R, Lp]  -1 padded; Lp = 0 unless repetition penalty used
     blocked_token_ids: jax.Array   # i32[R, B]   -1 padded; EOS/stop ids before min_tokens
+    # i32[R, W]  structured outputs: bit t % 32 of word t // 32 allows token t (free rows all
+    # ones); W = ceil(V / 32), or 0 when no row of the step is constrained
+    token_bitmask: jax.Array
     all_greedy: bool               # static: argmax only, no filters, no noise
     num_logprobs: int              # static: top-n logprobs returned for every row (0 = none)
 
@@ -74,6 +77,16 @@ def _block_tokens(logits: jax.Array, blocked_token_ids: jax.Array) -> jax.Array:
     rows = jnp.arange(logits.shape[0])[:, None]
     ids = _scatter_index(blocked_token_ids, logits.shape[1])
     return logits.at[rows, ids].set(-jnp.inf, mode="drop")
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf for the tokens a row's grammar does not allow next."""
+    num_rows, vocab_size = logits.shape
+    if bitmask.shape[1] == 0:
+        return logits
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # i32[R, W, 32]
+    allowed = bits.reshape(num_rows, -1)[:, :vocab_size] != 0            # bool[R, V]
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -178,7 +191,8 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     logits = logits.astype(jnp.float32)
     log_norm = jax.nn.logsumexp(logits, axis=-1)                          # f32[R]
 
-    processed = apply_penalties(_block_tokens(logits, md.blocked_token_ids), md)
+    processed = apply_penalties(_block_tokens(apply_token_bitmask(logits, md.token_bitmask),
+                                              md.blocked_token_ids), md)
     sampled = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if not md.all_greedy:
         sampled = jnp.where(md.temperature == 0, sampled, _sample_random(processed, md))
@@ -219,12 +233,14 @@ def _pad_rows(entries: list[tuple[int, Sequence[int] | np.ndarray]], num_rows: i
 
 def make_sampling_metadata(rows: Sequence[RowSpec | None], num_rows_padded: int, *,
                            eos_token_ids: Sequence[int] = (),
-                           num_logprobs: int | None = None) -> SamplingMetadata:
+                           num_logprobs: int | None = None,
+                           token_bitmask: np.ndarray | None = None) -> SamplingMetadata:
     """Host-side (numpy) SamplingMetadata for one step; None rows and padding are greedy dummies.
 
     Token histories are padded to powers of two (at least HISTORY_MIN_BUCKET) so the number of
     compiled shapes stays small. `num_logprobs` defaults to the largest any row asks for; pass
-    a fixed value to pin the compiled shape. Move the result with one `jax.device_put(md)`.
+    a fixed value to pin the compiled shape. `token_bitmask`: i32[num_rows_padded, W], the
+    grammar mask of a step with constrained rows. Move the result with one `jax.device_put(md)`.
     """
     if num_rows_padded < len(rows):
         raise ValueError(f"num_rows_padded must be >= the number of rows ({len(rows)}), "
@@ -281,4 +297,5 @@ def make_sampling_metadata(rows: Sequence[RowSpec | None], num_rows_padded: int,
         output_token_ids=_pad_rows(outputs, n, HISTORY_MIN_BUCKET),
         prompt_token_ids=_pad_rows(prompts, n, HISTORY_MIN_BUCKET),
         blocked_token_ids=_pad_rows(blocked, n, BLOCKED_MIN_BUCKET),
+        token_bitmask=np.zeros((n, 0), np.int32) if token_bitmask is None else token_bitmask,
         all_greedy=bool(np.all(temperature == 0)), num_logprobs=int(num_logprobs))

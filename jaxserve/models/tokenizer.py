@@ -33,7 +33,8 @@ class Tokenizer(ABC):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         raise ValueError(f"{type(self).__name__} has no chat template")
 
     def max_token_chars(self) -> int | None:
@@ -153,7 +154,8 @@ class HFTokenizer(Tokenizer):
         return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def render_chat_template(self, messages: list[dict[str, Any]],
-                             add_generation_prompt: bool = True) -> str:
+                             add_generation_prompt: bool = True,
+                             tools: list[dict[str, Any]] | None = None) -> str:
         if not self.chat_template:
             raise ValueError(f"tokenizer at {self.directory} has no chat template")
         import jinja2
@@ -171,14 +173,15 @@ class HFTokenizer(Tokenizer):
         try:
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=None)
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template of {self.directory}: {e}") from e
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template writes the BOS itself, so the rendered text is encoded without specials.
-        text = self.render_chat_template(messages, add_generation_prompt)
+        text = self.render_chat_template(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False)
 
 

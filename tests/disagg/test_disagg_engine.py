@@ -148,3 +148,13 @@ def test_after_warm_up_nothing_compiles_not_even_block_transfers(gqa8, compile_c
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [tokens(o) for o in outs] == reference
     assert llm.stats().num_compilations == before
+
+
+def test_structured_outputs_are_refused_not_ignored(gqa8, compile_cache_dir):
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    engine = _engine(gqa8, compile_cache_dir)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(ValueError, match="not supported with disaggregated"):
+        engine.add_request("so", {"prompt_token_ids": prefix_prompt()}, params)
+    assert not engine.has_unfinished_requests()

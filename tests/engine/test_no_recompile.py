@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.executor.model_runner import UnexpectedCompilationError
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -34,17 +37,24 @@ def test_200_random_requests_trigger_no_compilation_after_warm_up(hf_checkpoint,
               strict_compile=True, compilation_cache_dir="")
     warm = llm.stats().num_compilations
     # The model for every (tokens, requests) pair; the sampler for 2 request buckets, greedy
-    # and sampled, without and with logprobs.
-    assert warm == 4 + 2 * 2 * 2
+    # and sampled, without and with logprobs, without and with a grammar bitmask.
+    assert warm == 4 + 2 * 2 * 2 * 2
     compiles_at_warm_up = len(backend_compiles)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(2, 320, int(rng.integers(1, 100))).tolist()}
                for _ in range(200)]
+    # Every fifth request constrained (a regex or a choice), mixed with free ones in a step.
+    constraints = [StructuredOutputsParams(regex=r"[a-z]{1,6}( [0-9]{1,4})*"),
+                   StructuredOutputsParams(choice=["yes", "no", "maybe not"])]
     params = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_p=0.9,
-                             max_tokens=int(rng.integers(1, 24)), ignore_eos=True, seed=i)
+                             max_tokens=int(rng.integers(1, 24)), ignore_eos=i % 5 != 0, seed=i,
+                             structured_outputs=constraints[i % 2] if i % 5 == 0 else None)
               for i in range(200)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert len(outs) == 200 and all(o.finished for o in outs)
+    done = [o.outputs[0].text for o in outs[::5] if o.outputs[0].finish_reason == "stop"]
+    assert done and all(re.fullmatch(r"[a-z]{1,6}( [0-9]{1,4})*|yes|no|maybe not", t)
+                        for t in done)
     assert llm.stats().num_compilations == warm
     assert len(backend_compiles) == compiles_at_warm_up
 
@@ -72,6 +82,6 @@ def test_penalty_histories_compile_the_sampler_and_never_the_model(hf_checkpoint
     out = llm.generate({"prompt_token_ids": [3, 4, 5]}, params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 40
     new = runner.compiled_shapes - warm
-    # ("sample", R, output width, prompt width, blocked width, greedy, logprobs)
+    # ("sample", R, output width, prompt width, blocked width, bitmask width, greedy, logprobs)
     assert {key[0] for key in new} == {"sample"}
     assert {key[2] for key in new} == {0, 16, 32, 64}  # the output history grew past 16, 32

@@ -15,7 +15,7 @@ _apply_penalties = jax.jit(apply_penalties)
 
 def make_md(num_rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=0,
             steps=0, presence=0.0, frequency=0.0, repetition=1.0, output=None, prompt=None,
-            blocked=None, all_greedy=False, num_logprobs=0) -> SamplingMetadata:
+            blocked=None, all_greedy=False, num_logprobs=0, bitmask=None) -> SamplingMetadata:
     def rows(value, dtype) -> np.ndarray:
         return np.broadcast_to(np.asarray(value, dtype), (num_rows,)).copy()
 
@@ -26,7 +26,7 @@ def make_md(num_rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, se
         rows(temperature, np.float32), rows(top_k, np.int32), rows(top_p, np.float32),
         rows(min_p, np.float32), rows(seeds, np.uint32), rows(steps, np.int32),
         rows(presence, np.float32), rows(frequency, np.float32), rows(repetition, np.float32),
-        ids(output), ids(prompt), ids(blocked), all_greedy, num_logprobs)
+        ids(output), ids(prompt), ids(blocked), ids(bitmask), all_greedy, num_logprobs)
 
 
 def run(logits: np.ndarray, md: SamplingMetadata) -> tuple[np.ndarray, ...]:
@@ -340,3 +340,27 @@ def test_builder_rejects_bad_input() -> None:
         make_sampling_metadata([row], 1, num_logprobs=2)
     assert make_sampling_metadata([row], 1).num_logprobs == 4
     assert make_sampling_metadata([row], 1, num_logprobs=8).num_logprobs == 8
+
+
+def test_token_bitmask_allows_exactly_its_set_bits_before_sampling() -> None:
+    rng = np.random.default_rng(3)
+    num_rows, vocab = 4, 70  # 3 words, the last one partly past the vocabulary
+    allowed = rng.random((num_rows, vocab)) < 0.1
+    allowed[:, 5] = True
+    allowed[3] = True  # a free row: all ones
+    bits = np.zeros((num_rows, 96), bool)
+    bits[:, :vocab] = allowed
+    words = np.packbits(bits.reshape(num_rows, 3, 4, 8)[..., ::-1], axis=-1,
+                        bitorder="big").reshape(num_rows, 3, 4)
+    bitmask = words.view("<u4").reshape(num_rows, 3).view(np.int32)  # bit t%32 of word t//32
+    logits = rng.normal(size=(num_rows, vocab)).astype(np.float32) * 5
+    for greedy in (True, False):
+        md = make_md(num_rows, temperature=0.0 if greedy else 1.0, seeds=np.arange(num_rows),
+                     all_greedy=greedy, bitmask=bitmask)
+        for step in range(20):
+            md = SamplingMetadata(**{**vars(md), "steps": np.full(num_rows, step, np.int32)})
+            sampled = run(logits, md)[0]
+            assert all(allowed[i, t] for i, t in enumerate(sampled))
+    free = run(logits, make_md(num_rows, temperature=0.0, all_greedy=True))[0]
+    assert free[3] == run(logits, make_md(num_rows, temperature=0.0, all_greedy=True,
+                                          bitmask=bitmask))[0][3]

@@ -112,9 +112,7 @@ class SamplingRequest(APIRequest):
         "allowed_token_ids": (None,), "bad_words": (None, []),
         "truncate_prompt_tokens": (None,), "spaces_between_special_tokens": (True,),
         "return_tokens_as_token_ids": (None, False), "logits_processors": (None, []),
-        "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
-        "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-        "guided_grammar": (None,), "structural_tag": (None,), "guided_decoding_backend": (None,),
+        "structural_tag": (None,), "guided_decoding_backend": (None, "guidance"),
         "guided_whitespace_pattern": (None,), "kv_transfer_params": (None,),
         "vllm_xargs": (None, {}), "logit_bias": (None, {}),
     }
@@ -161,7 +159,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # no effect: tools are refused
+    parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
     reasoning_effort: str | None = None
     include_reasoning: bool = True  # no effect: there is no reasoning parser
     echo: bool = False
@@ -173,7 +171,7 @@ class ChatCompletionRequest(SamplingRequest):
     mm_processor_kwargs: dict[str, Any] | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = SamplingRequest.UNSUPPORTED | {
-        "tools": (None, []), "tool_choice": (None, "none"), "reasoning_effort": (None,),
+        "reasoning_effort": (None,),
         "echo": (False,), "continue_final_message": (False,), "add_special_tokens": (False,),
         "documents": (None, []), "chat_template": (None,), "chat_template_kwargs": (None, {}),
         "mm_processor_kwargs": (None, {})}
@@ -199,7 +197,7 @@ class TokenizeChatRequest(APIRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         name: ChatCompletionRequest.UNSUPPORTED[name] for name in (
             "continue_final_message", "add_special_tokens", "chat_template",
-            "chat_template_kwargs", "tools", "mm_processor_kwargs")}
+            "chat_template_kwargs", "mm_processor_kwargs")} | {"tools": (None, [])}
 
 
 class DetokenizeRequest(APIRequest):
@@ -267,9 +265,28 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -293,6 +310,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from jaxserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChun
                                                   TopLogprob)
 from jaxserve.entrypoints.openai.serving_common import (DONE, OpenAIServing, SSEResponse, merge,
                                                         sse, stream_error, usage)
+from jaxserve.entrypoints.openai.structured import tool_mode
+from jaxserve.entrypoints.openai.tool_calls import parse_tool_calls, tool_call_deltas
 from jaxserve.outputs import RequestOutput
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -33,7 +35,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         params = self.sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
-        prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt)
+        prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt, req.tools)
         self.check_length(prompt_ids, "messages", max_tokens)
         request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         gens = await self.start(request_id, [{"prompt_token_ids": prompt_ids}], params, req)
@@ -59,6 +61,10 @@ class OpenAIServingChat(OpenAIServing):
                       n: int, req: ChatCompletionRequest) -> AsyncIterator[str]:
         tracker = self.metrics.tracker(n)
         prompt_tokens = completion_tokens = 0
+        # With tools, a choice's text is held back until it ends: only then is it known to be
+        # content or tool calls (each sent whole in one delta).
+        mode = tool_mode(req)
+        held = [""] * n
         try:
             yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
                 ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -71,11 +77,20 @@ class OpenAIServingChat(OpenAIServing):
                     completion_tokens += len(comp.token_ids)
                     logprobs = (self._logprobs(comp.token_ids, comp.logprobs)
                                 if req.logprobs and comp.logprobs else None)
-                    if comp.text or logprobs or comp.finish_reason or (
+                    delta, finish = DeltaMessage(content=comp.text or None), comp.finish_reason
+                    if mode != "none":
+                        held[comp.index] += comp.text
+                        delta = DeltaMessage()
+                        if finish is not None:
+                            content, calls = parse_tool_calls(held[comp.index], mode, req)
+                            delta = DeltaMessage(content=content,
+                                                 tool_calls=tool_call_deltas(calls) or None)
+                            finish = "tool_calls" if calls and finish == "stop" else finish
+                    if delta.content or delta.tool_calls or logprobs or finish or (
                             req.return_token_ids and comp.token_ids):
                         choices.append(ChatStreamChoice(
-                            index=comp.index, delta=DeltaMessage(content=comp.text or None),
-                            logprobs=logprobs, finish_reason=comp.finish_reason,
+                            index=comp.index, delta=delta,
+                            logprobs=logprobs, finish_reason=finish,
                             stop_reason=comp.stop_reason,
                             token_ids=comp.token_ids if req.return_token_ids else None))
                 if choices:
@@ -111,9 +126,17 @@ class OpenAIServingChat(OpenAIServing):
                         reasons[i] = (comp.finish_reason, comp.stop_reason)
         finally:
             tracker.close()
+        messages = [ChatMessageOut(content=text) for text in texts]
+        mode = tool_mode(req)
+        if mode != "none":
+            for i, text in enumerate(texts):
+                content, calls = parse_tool_calls(text, mode, req)
+                messages[i] = ChatMessageOut(content=content, tool_calls=calls or None)
+                if calls and reasons[i][0] == "stop":
+                    reasons[i] = ("tool_calls", reasons[i][1])
         return ChatCompletionResponse(
             id=request_id, model=model,
-            choices=[ChatChoice(index=i, message=ChatMessageOut(content=texts[i]),
+            choices=[ChatChoice(index=i, message=messages[i],
                                 logprobs=logprobs[i], finish_reason=reasons[i][0],
                                 stop_reason=reasons[i][1],
                                 token_ids=token_ids[i] if req.return_token_ids else None)

@@ -16,6 +16,7 @@ from jaxserve.entrypoints.openai.errors import APIError, bad_request
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import (APIRequest, ChatMessage, SamplingRequest,
                                                   UsageInfo)
+from jaxserve.entrypoints.openai.structured import structured_outputs_of
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -23,7 +24,8 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalt
                       "frequency_penalty", "repetition_penalty")
 _PASSED_SAMPLING = ("n", "seed", "stop", "min_tokens", "ignore_eos", "stop_token_ids",
                     "skip_special_tokens", "include_stop_str_in_output")
-SAMPLING_FIELDS = _OPTIONAL_SAMPLING + _PASSED_SAMPLING + ("max_tokens", "logprobs")
+SAMPLING_FIELDS = _OPTIONAL_SAMPLING + _PASSED_SAMPLING + ("max_tokens", "logprobs",
+                                                          "structured_outputs")
 _PROMPT_FIELDS = ("prompt", "prompt_token_ids", "request_id", "cache_salt")
 DONE = "data: [DONE]\n\n"
 
@@ -81,7 +83,7 @@ class OpenAIServing:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                          ) -> list[int]:
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The messages' token ids through the tokenizer's chat template."""
         if not messages:
             raise APIError(400, "messages must not be empty", "messages")
@@ -100,7 +102,7 @@ class OpenAIServing:
         self.check_chars("".join(m["content"] for m in conversation), "messages")
         try:
             return await asyncio.to_thread(self.tokenizer.apply_chat_template, conversation,
-                                           add_generation_prompt)
+                                           add_generation_prompt, tools)
         except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
             raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
                 from None
@@ -125,6 +127,7 @@ class OpenAIServing:
         kwargs: dict[str, Any] = {name: getattr(req, name) for name in _PASSED_SAMPLING}
         kwargs |= {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
                    if getattr(req, name) is not None}
+        kwargs["structured_outputs"] = structured_outputs_of(req)
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                                   output_kind=RequestOutputKind.DELTA, **kwargs)

@@ -1,0 +1,90 @@
+"""The grammar manager over each tokenizer kind (HF tokenizer.json, sentencepiece as the gguf
+and llama2.c loaders build it): walking random allowed tokens of the bitmask always spells a
+match, the cache shares one compile per grammar text, and bad grammars are ValueErrors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxserve.core.structured_output import StructuredOutputManager, grammar_bitmask
+from jaxserve.default_model import default_model_path
+from jaxserve.models.sentencepiece_tokenizer import SentencePieceTokenizer
+from jaxserve.models.tokenizer import load_hf_tokenizer
+from jaxserve.models.hf_loader import read_hf_config
+from jaxserve.sampling_params import StructuredOutputsParams
+
+
+def _sentencepiece() -> SentencePieceTokenizer:
+    words = ["hello", "wor", "ld", "12", "3", "{", "}", '"', ":", ",", "a", "b", "ab", "yes",
+             "no", "\u2581the"]
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + words
+    return SentencePieceTokenizer(pieces, [0.0] * 3 + [0.0] * 256 + [-float(i) for i in
+                                                                       range(len(words))])
+
+
+@pytest.fixture(scope="module", params=["hf", "sentencepiece"])
+def manager(request) -> StructuredOutputManager:
+    if request.param == "hf":
+        tok = load_hf_tokenizer(default_model_path(), read_hf_config(Path(default_model_path())))
+        return StructuredOutputManager(tok, tok.vocab_size + 13, [tok.eos_token_id])  # padded
+    tok = _sentencepiece()
+    return StructuredOutputManager(tok, tok.vocab_size, [tok.eos_token_id])
+
+
+def _walk(manager: StructuredOutputManager, params: StructuredOutputsParams, seed: int,
+          eos: int) -> bytes:
+    so = manager.request(params)
+    while not so.ready():
+        pass
+    rng = np.random.default_rng(seed)
+    tokens = []
+    for _ in range(200):
+        mask = grammar_bitmask([so])  # i32[1, W]
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:manager.vocab_size]
+        allowed = np.flatnonzero(bits)
+        assert len(allowed) > 0
+        token = int(rng.choice(allowed))
+        assert so.accept(token)
+        if token != eos:
+            tokens.append(token)
+        if so.is_terminated:
+            break
+    assert so.is_terminated
+    return manager.tokenizer.decode_bytes(tokens)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_walks_over_the_mask_spell_matches(manager, seed):
+    eos = manager.tokenizer.eos_token
+    text = _walk(manager, StructuredOutputsParams(regex=r"(ab|[0-9]){1,5}"), seed, eos)
+    assert re.fullmatch(rb"(ab|[0-9]){1,5}", text)
+    text = _walk(manager, StructuredOutputsParams(choice=["hello world", "yes"]), seed, eos)
+    assert text in (b"hello world", b"yes")
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"],
+              "additionalProperties": False}
+    assert json.loads(_walk(manager, StructuredOutputsParams(json=schema), seed, eos)) in (
+        {"a": 1}, {"a": 2})
+
+
+def test_one_compile_per_grammar_text_and_one_matcher_per_request(manager):
+    first = manager.request(StructuredOutputsParams(regex="x+y"))
+    second = manager.request(StructuredOutputsParams(regex="x+y"))
+    assert first.template is second.template
+    while not (first.ready() and second.ready()):
+        pass
+    assert first.matcher is not second.matcher
+
+
+@pytest.mark.parametrize("params, field", [
+    (StructuredOutputsParams(regex="a{2,1}"), "regex"),
+    (StructuredOutputsParams(grammar="start: undefined_rule"), "grammar"),
+    (StructuredOutputsParams(json={"type": "object", "required": 5}), "json"),
+])
+def test_bad_grammars_are_value_errors_naming_the_field(manager, params, field):
+    with pytest.raises(ValueError, match=f"structured_outputs.{field} is invalid"):
+        manager.validate(params)
