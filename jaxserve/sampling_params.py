@@ -59,6 +59,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # stored as list[int]
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs of each sampled position
+    prompt_logprobs: int | None = None  # top-n logprobs of each prompt position (and its own)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # how AsyncLLM streams
@@ -100,6 +101,7 @@ class SamplingParams:
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         _check_int("logprobs", self.logprobs, allow_none=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

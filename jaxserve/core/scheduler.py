@@ -190,6 +190,8 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+                hit_blocks, num_hit = [], 0  # as vLLM: the prompt's logits are all needed
             num_new = request.num_tokens - num_hit
             if self.config.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
@@ -350,6 +352,7 @@ class Scheduler:
             request.append_output_token_ids(token)
             status = self._check_stop(request, token)
             out = EngineCoreOutput(req_id, [token], [lp] if lp is not None else [],
+                                   prompt_logprobs=result.prompt_logprobs.get(req_id),
                                    num_cached_tokens=max(request.num_cached_tokens, 0))
             if status is not None:
                 self.running.remove(request)
