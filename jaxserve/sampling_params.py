@@ -82,6 +82,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
         _check_int("seed", self.seed, allow_none=True, low=-(2**63), high=2**64 - 1)
+        if self.seed == -1:  # vLLM's "random", as None
+            self.seed = None
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))
             if not -2 <= value <= 2:
