@@ -8,6 +8,19 @@ from jaxserve.core.scheduler_output import Logprobs
 
 
 @dataclass
+class Logprob:
+    """vLLM's per-token logprob entry: the log-probability, its rank in the vocabulary (1 is
+    the most likely), and the token's text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's shape: per position, token id -> Logprob (the prompt's first position is None).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -45,6 +58,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None  # a sample's step failed (its finish_reason is "error")
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs
 
 
 def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
@@ -59,4 +73,7 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
             d.index, d.text if old is None else old.text + d.text,
             list(d.token_ids) if old is None else old.token_ids + d.token_ids,
             d.cumulative_logprob, logprobs, d.finish_reason, d.stop_reason)
-    return replace(delta, outputs=[samples[i] for i in sorted(samples)])
+    prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None or total is None \
+        else total.prompt_logprobs
+    return replace(delta, outputs=[samples[i] for i in sorted(samples)],
+                   prompt_logprobs=prompt_logprobs)

@@ -114,6 +114,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # stored as list[int]
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs of each sampled position
+    prompt_logprobs: int | None = None  # top-n logprobs of each prompt position (and its own)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # how AsyncLLM streams
@@ -137,6 +138,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
         _check_int("seed", self.seed, allow_none=True, low=-(2**63), high=2**64 - 1)
+        if self.seed == -1:  # vLLM's "random", as None
+            self.seed = None
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))
             if not -2 <= value <= 2:
@@ -162,6 +165,7 @@ class SamplingParams:
                                                                   StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+        _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

@@ -111,7 +111,7 @@ def test_own_seed_gives_children_consecutive_seeds() -> None:
     p = SamplingParams(seed=41, n=3)
     assert [request_seed(p, rng, i) for i in range(3)] == [41, 42, 43]
     assert request_seed(SamplingParams(seed=2**32 + 5), rng) == 5
-    assert request_seed(SamplingParams(seed=-1), rng) == 2**32 - 1
+    assert request_seed(SamplingParams(seed=-2), rng) == 2**32 - 2  # -1 is "random" (vLLM)
 
 
 def test_drawn_seeds_are_reproducible_from_engine_seed() -> None:
@@ -125,3 +125,9 @@ def test_drawn_seeds_are_reproducible_from_engine_seed() -> None:
     assert len(set(seeds_a)) == 8
     assert all(0 <= s < 2**32 for s in seeds_a)
     assert seeds_a != [request_seed(p, np.random.default_rng(124), i) for i in range(8)]
+
+
+def test_seed_minus_one_means_random_as_vllm():
+    from jaxserve.sampling_params import SamplingParams as SP
+
+    assert SP(seed=-1).seed is None and SP(seed=None).seed is None and SP(seed=0).seed == 0

@@ -24,6 +24,7 @@ from jaxserve.core.scheduler_output import (
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 from jaxserve.core.step_timing import StepTimings
@@ -242,6 +243,8 @@ class Scheduler:
                 hit_blocks, num_hit = [], request.num_computed_tokens
             else:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+                if getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+                    hit_blocks, num_hit = [], 0  # as vLLM: the prompt's logits are all needed
             num_new = request.num_tokens - num_hit
             if self.config.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
@@ -375,7 +378,8 @@ class Scheduler:
             return None
         request.num_cached_tokens = output.num_cached_tokens
         logprobs = output.new_logprobs[0] if output.new_logprobs else None
-        return self._append_token(request, output.new_token_ids[0], logprobs)
+        return self._append_token(request, output.new_token_ids[0], logprobs,
+                                  output.prompt_logprobs)
 
     def release_sent(self, request_id: str) -> None:
         """Prefill side: free a finished request's blocks once read (or no longer wanted); they
@@ -402,11 +406,12 @@ class Scheduler:
             if req_id not in sched.sampling_req_ids:
                 continue  # a prefill chunk: its sampled token is not real
             request.num_output_placeholders -= 1
-            outputs.append(self._append_token(request, token, lp))
+            outputs.append(self._append_token(request, token, lp,
+                                              result.prompt_logprobs.get(req_id)))
         return outputs
 
-    def _append_token(self, request: Request, token: int,
-                      logprobs: Logprobs | None) -> EngineCoreOutput:
+    def _append_token(self, request: Request, token: int, logprobs: Logprobs | None,
+                      prompt_logprobs: PromptLogprobs | None = None) -> EngineCoreOutput:
         request.append_output_token_ids(token)
         status = self._check_stop(request, token)
         if request.structured_output is not None and status is None:
@@ -414,6 +419,7 @@ class Scheduler:
                 status = self._advance_grammar(request, token)
         out = EngineCoreOutput(request.request_id, [token],
                                [logprobs] if logprobs is not None else [],
+                               prompt_logprobs=prompt_logprobs,
                                num_cached_tokens=max(request.num_cached_tokens, 0))
         if status is not None:
             (self.running if request.status == RequestStatus.RUNNING

@@ -69,10 +69,20 @@ class Logprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """A whole prompt's logprobs: entry j is prompt token j + 1's (the first token has none)."""
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]  # the top-k at each position (k = the request's ask)
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     req_ids: list[str]  # in the order of sampled_token_ids
     sampled_token_ids: list[int]
     logprobs: list[Logprobs | None] | None = None
+    # Requests whose prompt this step finished, when they asked for prompt logprobs.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -80,6 +90,7 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # with the first output token, when asked
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

@@ -107,6 +107,9 @@ class InputProcessor:
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.max_logprobs}), "
                              f"got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
+            raise ValueError(f"prompt_logprobs must be <= max_logprobs ({self.max_logprobs}), "
+                             f"got {params.prompt_logprobs}")
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary "

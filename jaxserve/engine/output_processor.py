@@ -6,8 +6,9 @@ import time
 from dataclasses import dataclass, field
 
 from jaxserve.core.scheduler_output import EngineCoreOutput
+from jaxserve.engine.logprobs import prompt_logprobs_of
 from jaxserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -31,6 +32,8 @@ class RequestState:
     num_cached_tokens: int = 0
     child_index: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    sent_prompt_logprobs: bool = False  # delta outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -84,6 +87,10 @@ class OutputProcessor:
             if comp.finished:
                 continue
             state.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = prompt_logprobs_of(
+                    out.prompt_logprobs, state.prompt_token_ids, state.params.prompt_logprobs,
+                    self.tokenizer)
             metrics = state.metrics
             for _ in out.new_token_ids:
                 metrics.token_times.append(now)
@@ -158,5 +165,10 @@ class OutputProcessor:
                 sample.sent_finish = comp.finished
                 comp = d
             completions.append(comp)
+        prompt_logprobs = state.prompt_logprobs
+        if delta:
+            prompt_logprobs = None if state.sent_prompt_logprobs else prompt_logprobs
+            state.sent_prompt_logprobs = state.sent_prompt_logprobs or prompt_logprobs is not None
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             state.finished, state.metrics, state.num_cached_tokens, state.error)
+                             state.finished, state.metrics, state.num_cached_tokens, state.error,
+                             prompt_logprobs)

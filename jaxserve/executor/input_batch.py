@@ -5,11 +5,15 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.layers.sampler import RowSpec
+
+if TYPE_CHECKING:
+    from jaxserve.executor.prompt_logprobs import PromptLogprobsAccum
 
 
 @dataclass(slots=True)
@@ -21,6 +25,7 @@ class CachedRequestState:
     num_blocks: int
     num_computed_tokens: int
     row: RowSpec  # sampling parameters, seed, and the token history (appended in place)
+    prompt_logprobs: PromptLogprobsAccum | None = None  # when the request asks for them
 
 
 @dataclass(slots=True)

@@ -37,9 +37,11 @@ from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_block
                                          padded_block_ids, scatter_blocks)
 from jaxserve.executor.packing import PackedLayout, pack, unpack
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.executor.prompt_logprobs import (PromptLogprobsPlan, finished_prompt_logprobs,
+                                               plan_prompt_logprobs, record_prompt_logprobs)
 from jaxserve.layers.axes import AXIS
-from jaxserve.layers.sampler import (RowSpec, SamplerOutput, SamplingMetadata,
-                                     make_sampling_metadata, sample)
+from jaxserve.layers.sampler import (RowSpec, SamplerOutput, SamplingMetadata, TokenLogprobs,
+                                     make_sampling_metadata, sample, token_logprobs)
 from jaxserve.models.llama import Llama
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,8 @@ class PendingStep(NamedTuple):
     arrays: StepArrays
     rows: list[RowSpec]
     out: SamplerOutput  # device arrays, possibly still being computed
+    prompt_plan: PromptLogprobsPlan | None = None
+    prompt_out: TokenLogprobs | None = None  # device arrays, with prompt_plan
 
 
 class _LastStep(NamedTuple):
@@ -88,10 +92,9 @@ class StepStatics:
                                  and self._key == other._key)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
-def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
-          v_cache: jax.Array, prev_sampled: jax.Array, inputs: jax.Array,
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
+             v_cache: jax.Array, prev_sampled: jax.Array, inputs: jax.Array,
+             ) -> tuple[Llama, jax.Array, jax.Array, jax.Array, jax.Array]:
     # prev_sampled: i32[max request bucket], the previous step's sampled ids (row order)
     # inputs: i32[n], the packed (input_ids, prev_rows, AttentionMetadata, logits_indices)
     input_ids, prev_rows, md, logits_indices = unpack(layout, inputs)
@@ -101,7 +104,31 @@ def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache:
     # Pin the cache's layout so the donated buffers come back exactly as they went in.
     k_cache = jax.lax.with_sharding_constraint(k_cache, statics.kv_sharding)
     v_cache = jax.lax.with_sharding_constraint(v_cache, statics.kv_sharding)
+    return model, hidden, k_cache, v_cache, logits_indices  # hidden: [T, D]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
+def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
+          v_cache: jax.Array, prev_sampled: jax.Array, inputs: jax.Array,
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    model, hidden, k_cache, v_cache, logits_indices = _forward(
+        statics, layout, state, k_cache, v_cache, prev_sampled, inputs)
     return k_cache, v_cache, model.compute_logits(hidden[logits_indices])  # f32[R, V]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
+def _step_prompt_logprobs(statics: StepStatics, layout: PackedLayout, num_top: int,
+                          state: nnx.State, k_cache: jax.Array, v_cache: jax.Array,
+                          prev_sampled: jax.Array, inputs: jax.Array, targets: jax.Array,
+                          ) -> tuple[jax.Array, jax.Array, jax.Array, TokenLogprobs]:
+    """`_step`, plus every token row's logprob of `targets` (i32[T], the next prompt token):
+    a separate program per token bucket, run only for steps where a row asks."""
+    model, hidden, k_cache, v_cache, logits_indices = _forward(
+        statics, layout, state, k_cache, v_cache, prev_sampled, inputs)
+    # The sampler's rows as in `_step` (the same tokens with or without prompt logprobs).
+    logits = model.compute_logits(hidden[logits_indices])                  # f32[R, V]
+    return k_cache, v_cache, logits, token_logprobs(model.compute_logits(hidden), targets,
+                                                    num_top)               # over [T, V]
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -236,8 +263,12 @@ class ModelRunner:
                 rows, len(arrays.seq_lens), eos_token_ids=self.eos_token_ids,
                 num_logprobs=self.config.model.max_logprobs if wants_logprobs else 0,
                 token_bitmask=step_bitmask(sched, arrays.req_ids, len(arrays.seq_lens)))
+            prompt_plan = plan_prompt_logprobs(
+                arrays, [self.batch.requests[r] for r in arrays.req_ids],
+                self.config.model.max_logprobs)
         with self.timings.phase("dispatch"):
-            pending = PendingStep(arrays, rows, self._run(arrays, sampling))
+            out, prompt_out = self._run(arrays, sampling, prompt_plan)
+            pending = PendingStep(arrays, rows, out, prompt_plan, prompt_out)
         self.batch.mark_pending(arrays)
         self.running_rows = {req_id: i for i, req_id in enumerate(arrays.req_ids)
                           if arrays.completes_sequence[i]}
@@ -246,22 +277,37 @@ class ModelRunner:
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
         if pending is None:
             return ModelRunnerOutput([], [])
-        arrays, rows, out = pending
+        arrays, rows, out, prompt_plan, prompt_out = pending
         with self.timings.phase("device"):
             sampled = to_host(out.sampled)[:len(rows)]  # the step's one device -> host wait
         with self.timings.phase("update"):
             self.batch.append_sampled(arrays, sampled)
+            if prompt_out is not None:
+                record_prompt_logprobs(prompt_plan, *(to_host(x) for x in (
+                    prompt_out.logprob, prompt_out.rank, prompt_out.topk_ids,
+                    prompt_out.topk_logprobs)))
         self.num_steps += 1
         wants_logprobs = out.topk_ids.shape[1] > 0
         return ModelRunnerOutput(arrays.req_ids, sampled.tolist(),
-                                 self._logprobs(out, rows) if wants_logprobs else None)
+                                 self._logprobs(out, rows) if wants_logprobs else None,
+                                 finished_prompt_logprobs(arrays, self.batch.requests))
 
-    def _run(self, arrays: StepArrays, sampling: SamplingMetadata) -> SamplerOutput:
+    def _run(self, arrays: StepArrays, sampling: SamplingMetadata,
+             prompt_plan: PromptLogprobsPlan | None = None,
+             ) -> tuple[SamplerOutput, TokenLogprobs | None]:
         inputs, layout = step_inputs(arrays)
-        if ("step", layout) not in self.executables:
-            self._count_shape(("step", len(arrays.input_ids), len(arrays.seq_lens)))
-        prev = self.prev_sampled
-        logits = self._call_step(layout, prev, replicate(inputs, self.mesh))
+        prev, prompt_out = self.prev_sampled, None
+        if prompt_plan is not None:
+            num_top = self.config.model.max_logprobs
+            self._count_shape(("step_prompt_logprobs", len(arrays.input_ids),
+                               len(arrays.seq_lens), num_top))
+            self.k_cache, self.v_cache, logits, prompt_out = _step_prompt_logprobs(
+                self.statics, layout, num_top, self.params, self.k_cache, self.v_cache, prev,
+                replicate(inputs, self.mesh), replicate(prompt_plan.targets, self.mesh))
+        else:
+            if ("step", layout) not in self.executables:
+                self._count_shape(("step", len(arrays.input_ids), len(arrays.seq_lens)))
+            logits = self._call_step(layout, prev, replicate(inputs, self.mesh))
         sampling_inputs, sampling_layout = pack(sampling)
         if ("sample", sampling_layout) not in self.executables:
             self._count_shape(("sample", len(arrays.seq_lens), sampling.output_token_ids.shape[1],
@@ -273,7 +319,7 @@ class ModelRunner:
                                                     replicate(sampling_inputs, self.mesh))
         self._last_step = _LastStep(layout, prev, inputs, sampling_layout, sampling_inputs,
                                     weakref.ref(self.k_cache))
-        return out
+        return out, prompt_out
 
     def _call_step(self, layout: PackedLayout, prev: jax.Array, inputs: jax.Array) -> jax.Array:
         args = (self.params, self.k_cache, self.v_cache, prev, inputs)
@@ -380,7 +426,7 @@ class ModelRunner:
                     if not self._loaded(arrays, sampling)]
         for arrays, sampling in tqdm(programs, desc="compiling", unit="program",
                                      disable=None if programs else True):
-            jax.block_until_ready(self._run(arrays, sampling))
+            jax.block_until_ready(self._run(arrays, sampling)[0])
         self.warmed_up = True
         return time.perf_counter() - start
 

@@ -207,6 +207,32 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     return SamplerOutput(sampled, logprob, topk_ids.astype(jnp.int32), topk_logprobs)
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["logprob", "rank", "topk_ids", "topk_logprobs"], meta_fields=[])
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Per token row: the log-probability and rank of a given next token, and the top-k."""
+    logprob: jax.Array        # f32[T]
+    rank: jax.Array           # i32[T]     1 + the number of tokens more likely than the target
+    topk_ids: jax.Array       # i32[T, K]
+    topk_logprobs: jax.Array  # f32[T, K]
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, num_top: int) -> TokenLogprobs:
+    """logits f32[T, V], targets i32[T] -> raw log-softmax of each target, its rank, top-k."""
+    logits = logits.astype(jnp.float32)
+    log_norm = jax.nn.logsumexp(logits, axis=-1)                          # f32[T]
+    target_logit = jnp.take_along_axis(logits, targets[:, None], axis=-1)  # f32[T, 1]
+    rank = 1 + jnp.sum(logits > target_logit, axis=-1).astype(jnp.int32)
+    if num_top > 0:
+        top_values, topk_ids = jax.lax.top_k(logits, num_top)
+    else:
+        top_values = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        topk_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return TokenLogprobs(target_logit[:, 0] - log_norm, rank, topk_ids.astype(jnp.int32),
+                         top_values - log_norm[:, None])
+
+
 # ------------------------------------------------------------------------------- host side
 
 @dataclass(slots=True)

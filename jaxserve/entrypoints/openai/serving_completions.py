@@ -14,7 +14,7 @@ from jaxserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLo
                                                   CompletionRequest, CompletionResponse)
 from jaxserve.entrypoints.openai.serving_common import (DONE, OpenAIServing, SSEResponse, merge,
                                                         sse, stream_error, usage)
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import PromptLogprobs, RequestOutput
 
 
 class _Choice:
@@ -35,10 +35,16 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, f"best_of must equal n ({req.n}) here, got {req.best_of}",
                            "best_of", "unsupported")
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)",
-                           "echo", "unsupported")
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        scores_prompt = req.echo and req.logprobs is not None
+        if scores_prompt and req.stream:
+            raise APIError(400, "echo with logprobs is not supported when streaming", "echo",
+                           "unsupported")
+        # echo with max_tokens=0 (an evaluation harness's log-likelihood request): the prompt
+        # alone; the engine samples one token, which is not returned.
+        prompt_only = req.echo and req.max_tokens == 0
+        params = self.sampling_params(req, 1 if prompt_only else req.max_tokens, req.logprobs)
+        if scores_prompt:
+            params.prompt_logprobs = req.logprobs
         prompts = await self._prompts(req)
         request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         gens = await self.start(request_id, prompts, params, req)
@@ -91,6 +97,21 @@ class OpenAIServingCompletion(OpenAIServing):
             lp.text_offset.append(offset)
             offset += len(text)
         return lp, offset
+
+    def _prompt_logprobs(self, lp: CompletionLogprobs, prompt_ids: list[int],
+                         entries: PromptLogprobs) -> int:
+        """The echoed prompt's tokens in `lp` (the first has no logprob, as OpenAI's); returns
+        the text offset after them."""
+        offset = 0
+        for token_id, entry in zip(prompt_ids, entries):
+            text = self.token_text(token_id)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(None if entry is None else entry[token_id].logprob)
+            lp.top_logprobs.append(None if entry is None else {
+                self.token_text(t): v.logprob for t, v in entry.items()})
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return offset
 
     async def _stream(self, request_id: str, model: str,
                       gens: list[AsyncIterator[RequestOutput]], n: int, echoes: list[str],
@@ -149,6 +170,13 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_tokens += len(out.prompt_token_ids)
                 for comp in out.outputs:
                     choice = choices[i * n + comp.index]
+                    if out.prompt_logprobs is not None and choice.logprobs is not None \
+                            and not choice.logprobs.tokens:
+                        choice.offset = self._prompt_logprobs(
+                            choice.logprobs, out.prompt_token_ids, out.prompt_logprobs)
+                    if req.echo and req.max_tokens == 0:
+                        choice.finish_reason = "length"
+                        continue
                     choice.text += comp.text
                     choice.token_ids.extend(comp.token_ids)
                     if choice.logprobs is not None and comp.logprobs:

@@ -1,0 +1,97 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs) against HF transformers' log-softmax of the
+same prompt (fp32, 1e-4): whole prompts, prompts chunked over several steps, prefix-cache hits,
+n > 1, and requests without them in the same batch (their tokens unchanged)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_helpers import SMALL_ENGINE, assert_no_leaks, random_prompts
+from jaxserve import LLM, SamplingParams
+from jaxserve.outputs import Logprob
+
+
+def hf_log_softmax(path, prompt: list[int]) -> np.ndarray:
+    """f32[P, V]: HF's log-softmax at each prompt position."""
+    import torch
+    from hf_checkpoints import hf_model
+
+    with torch.no_grad():
+        logits = hf_model(path)(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def check_against_hf(path, prompt: list[int], got, k: int) -> None:
+    """Each position's own token (logprob and rank) and top-k (by rank) equal HF's."""
+    ref = hf_log_softmax(path, prompt)
+    assert len(got) == len(prompt) and got[0] is None
+    for pos in range(1, len(prompt)):
+        entry, row, token = got[pos], ref[pos - 1], prompt[pos]
+        assert isinstance(entry[token], Logprob)
+        assert entry[token].logprob == pytest.approx(float(row[token]), abs=1e-4)
+        # The rank counts the tokens more likely; ties within fp32 noise may go either way.
+        assert 1 + np.sum(row > row[token] + 1e-4) <= entry[token].rank \
+            <= 1 + np.sum(row > row[token] - 1e-4)
+        descending = np.sort(row)[::-1]
+        tops = {lp.rank: lp for tid, lp in entry.items() if tid != token}
+        for tid, lp in entry.items():
+            assert lp.logprob == pytest.approx(float(row[tid]), abs=1e-4)
+            if tid != token or lp.rank <= k:
+                assert lp.logprob == pytest.approx(float(descending[lp.rank - 1]), abs=1e-4)
+        assert len(entry) in (k, k + 1) and all(r <= k for r in tops)
+
+
+@pytest.fixture(scope="module")
+def llm(hf_checkpoint, compile_cache_dir) -> LLM:
+    return LLM(str(hf_checkpoint("llama")), compilation_cache_dir=compile_cache_dir,
+               **SMALL_ENGINE)
+
+
+def test_prompt_logprobs_equal_hf_log_softmax_whole_and_chunked(llm, hf_checkpoint):
+    path = hf_checkpoint("llama")
+    # 100 and 120 tokens with a 128-token step budget: batched together, the second is
+    # split over two steps (chunked prefill); 1 token: no position to score.
+    prompts = random_prompts(3, 90, 120, seed=3) + [[5]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        check_against_hf(path, prompt, out.prompt_logprobs, 3)
+    assert outs[-1].prompt_logprobs == [None]
+    assert_no_leaks(llm.llm_engine)
+
+
+def test_prompt_logprobs_recompute_a_cached_prefix_and_leave_other_requests_alone(
+        llm, hf_checkpoint):
+    path = hf_checkpoint("llama")
+    prompt = random_prompts(1, 70, 70, seed=11)[0]
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": prompt}, plain)[0]
+    assert first.prompt_logprobs is None
+    # The prompt's blocks are now cached: the prompt-logprobs request must still score them.
+    asks = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, [asks, plain])
+    check_against_hf(path, prompt, outs[0].prompt_logprobs, 0)
+    assert outs[1].prompt_logprobs is None and outs[1].num_cached_tokens > 0
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids \
+        == first.outputs[0].token_ids
+    assert_no_leaks(llm.llm_engine)
+
+
+def test_prompt_logprobs_with_n_and_sampling(llm, hf_checkpoint):
+    path = hf_checkpoint("llama")
+    prompt = random_prompts(1, 40, 40, seed=5)[0]
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=5,
+                                      prompt_logprobs=2))[0]
+    assert len(out.outputs) == 3
+    check_against_hf(path, prompt, out.prompt_logprobs, 2)
+    assert_no_leaks(llm.llm_engine)
+
+
+def test_prompt_logprobs_over_max_logprobs_is_refused(llm):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate("hi", SamplingParams(prompt_logprobs=10_000))
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)
+    assert_no_leaks(llm.llm_engine)
