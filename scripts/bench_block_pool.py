@@ -118,7 +118,7 @@ def hash_prompt_us(num_tokens: int = 4096, block_size: int = 16, reps: int = 200
     for _ in range(reps):
         out: list[bytes] = []
         start = time.perf_counter()
-        extend_block_hashes(out, tokens, block_size, root, cache_salt="s", lora_name="l")
+        extend_block_hashes(out, tokens, block_size, root, cache_salt="s")
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e6
 

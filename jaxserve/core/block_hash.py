@@ -34,8 +34,7 @@ class ExtraKeyKind(enum.IntEnum):
     """Tag byte of an extra key; each kind has its own tag so kinds can never collide."""
 
     CACHE_SALT = 1  # only on the first block; the chain carries it to the rest
-    LORA_NAME = 2  # on every block
-    # Room for more, e.g. MM_FEATURE = 3, PROMPT_EMBEDS = 4.
+    # Room for more (an adapter name on every block, multimodal features), e.g. LORA_NAME = 2.
 
 
 def make_root_hash(seed: int | str | bytes | None) -> BlockHash:
@@ -61,15 +60,10 @@ def encode_extra_keys(keys: Iterable[tuple[ExtraKeyKind, bytes]]) -> bytes:
     return bytes(out)
 
 
-def request_extra_keys(cache_salt: str | None, lora_name: str | None) -> tuple[bytes, bytes]:
+def request_extra_keys(cache_salt: str | None) -> tuple[bytes, bytes]:
     """Encoded extra keys for (the first block, every later block) of one request."""
-    later: list[tuple[ExtraKeyKind, bytes]] = []
-    if lora_name is not None:
-        later.append((ExtraKeyKind.LORA_NAME, lora_name.encode()))
-    first = list(later)
-    if cache_salt is not None:
-        first.append((ExtraKeyKind.CACHE_SALT, cache_salt.encode()))
-    return encode_extra_keys(first), encode_extra_keys(later)
+    first = [] if cache_salt is None else [(ExtraKeyKind.CACHE_SALT, cache_salt.encode())]
+    return encode_extra_keys(first), b""
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -99,7 +93,6 @@ def extend_block_hashes(
     block_size: int,
     root_hash: BlockHash,
     cache_salt: str | None = None,
-    lora_name: str | None = None,
 ) -> None:
     """Append to `block_hashes` the hashes of the full blocks of `token_ids` it lacks."""
     start = len(block_hashes)
@@ -108,7 +101,7 @@ def extend_block_hashes(
         return
     if len(root_hash) != HASH_NBYTES:
         raise ValueError(f"root hash must be {HASH_NBYTES} bytes, got {len(root_hash)}")
-    first_keys, later_keys = request_extra_keys(cache_salt, lora_name)
+    first_keys, later_keys = request_extra_keys(cache_salt)
     raw = token_bytes(token_ids[start * block_size : end * block_size])
     count = block_size.to_bytes(4, "little")
     nbytes = 4 * block_size

@@ -53,7 +53,7 @@ class Request:
 
     Request(request_id=..., prompt_token_ids=..., sampling_params=..., arrival_time=...,
             block_size=cache_block_size, hash_seed=kv_cache_manager.root_hash,
-            priority=0, cache_salt=None, lora_name=None, max_tokens=2**31 - 1, seed=0,
+            priority=0, cache_salt=None, max_tokens=2**31 - 1, seed=0,
             group_id=None, kv_transfer=None)
 
     `all_token_ids` and `block_hashes` are derived (not constructor arguments) and kept current
@@ -68,7 +68,6 @@ class Request:
     hash_seed: BlockHash
     priority: int = 0
     cache_salt: str | None = None
-    lora_name: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -100,8 +99,6 @@ class Request:
                              f"(KVCacheManager.root_hash), got {self.hash_seed!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a str or None, got {self.cache_salt!r}")
-        if self.lora_name is not None and not isinstance(self.lora_name, str):
-            raise ValueError(f"lora_name must be a str or None, got {self.lora_name!r}")
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.output_token_ids = list(self.output_token_ids)
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
@@ -136,7 +133,7 @@ class Request:
 
     def _extend_block_hashes(self) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,
-                            self.hash_seed, self.cache_salt, self.lora_name)
+                            self.hash_seed, self.cache_salt)
 
 
 def _is_int(value: object) -> bool:

@@ -90,7 +90,7 @@ def request_fields(request: Request) -> dict[str, Any]:
     return {"request_id": request.request_id, "prompt_token_ids": request.prompt_token_ids,
             "sampling_params": request.sampling_params, "arrival_time": request.arrival_time,
             "priority": request.priority, "cache_salt": request.cache_salt,
-            "lora_name": request.lora_name, "seed": request.seed, "group_id": request.group_id}
+            "seed": request.seed, "group_id": request.group_id}
 
 
 class KVConnector(ABC):

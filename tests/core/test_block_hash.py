@@ -32,12 +32,12 @@ def test_only_full_blocks_are_hashed() -> None:
 
 def test_chain_matches_block_by_block_hashing() -> None:
     tokens = list(range(100, 112))
-    first, later = request_extra_keys("salt", "lora-a")
+    first, later = request_extra_keys("salt")
     expected, parent = [], ROOT
     for i in range(3):
         parent = hash_block_tokens(parent, tokens[4 * i : 4 * i + 4], first if i == 0 else later)
         expected.append(parent)
-    assert hashes(tokens, cache_salt="salt", lora_name="lora-a") == expected
+    assert hashes(tokens, cache_salt="salt") == expected
     assert all(len(h) == 32 for h in expected)
 
 
@@ -63,29 +63,23 @@ def test_salt_enters_first_block_keys_only_but_changes_every_hash() -> None:
     salted = hashes(tokens, cache_salt="tenant")
     plain = hashes(tokens)
     assert all(a != b for a, b in zip(salted, plain))
-    first, later = request_extra_keys("tenant", None)
+    first, later = request_extra_keys("tenant")
     assert later == b"" and first != b""
     assert salted[1] == hash_block_tokens(salted[0], tokens[4:8])
 
 
-def test_lora_name_enters_every_block() -> None:
-    first, later = request_extra_keys(None, "adapter")
-    assert first == later != b""
-
-
-def test_salt_equal_to_adapter_name_does_not_collide() -> None:
+def test_an_empty_salt_is_not_no_salt() -> None:
     tokens = list(range(8))
-    assert hashes(tokens, cache_salt="x") != hashes(tokens, lora_name="x")
-    assert hashes(tokens, cache_salt="x")[0] != hashes(tokens, lora_name="x")[0]
     assert hashes(tokens, cache_salt="") != hashes(tokens)
 
 
 def test_extra_key_encoding_is_canonical_and_unambiguous() -> None:
-    a = [(ExtraKeyKind.LORA_NAME, b"l"), (ExtraKeyKind.CACHE_SALT, b"s")]
+    other = 2  # a kind to come (an adapter name): the encoding takes any tag byte
+    a = [(other, b"l"), (ExtraKeyKind.CACHE_SALT, b"s")]
     assert encode_extra_keys(a) == encode_extra_keys(list(reversed(a)))
     # Length prefixes keep value boundaries: ("ab", "") and ("a", "b") differ.
-    assert encode_extra_keys([(ExtraKeyKind.CACHE_SALT, b"ab"), (ExtraKeyKind.LORA_NAME, b"")]) != \
-        encode_extra_keys([(ExtraKeyKind.CACHE_SALT, b"a"), (ExtraKeyKind.LORA_NAME, b"b")])
+    assert encode_extra_keys([(ExtraKeyKind.CACHE_SALT, b"ab"), (other, b"")]) != \
+        encode_extra_keys([(ExtraKeyKind.CACHE_SALT, b"a"), (other, b"b")])
 
 
 def test_token_count_and_extra_keys_cannot_be_confused() -> None:
@@ -105,7 +99,7 @@ def test_seeded_root_hash_is_reproducible_and_typed() -> None:
 def test_seeded_hashes_match_across_processes() -> None:
     code = ("from jaxserve.core.block_hash import extend_block_hashes, make_root_hash\n"
             "out = []\n"
-            "extend_block_hashes(out, list(range(40)), 8, make_root_hash('seed'), 'salt', 'lora')\n"
+            "extend_block_hashes(out, list(range(40)), 8, make_root_hash('seed'), 'salt')\n"
             "print(b''.join(out).hex())")
     runs = set()
     for hash_seed in ("1", "2"):
@@ -113,7 +107,7 @@ def test_seeded_hashes_match_across_processes() -> None:
         runs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                 capture_output=True, text=True).stdout.strip())
     local = b"".join(hashes(list(range(40)), 8, make_root_hash("seed"),
-                            cache_salt="salt", lora_name="lora")).hex()
+                            cache_salt="salt")).hex()
     assert runs == {local}
 
 

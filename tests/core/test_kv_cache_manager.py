@@ -180,11 +180,8 @@ def test_generated_tokens_fill_cacheable_blocks() -> None:
     ({"cache_salt": "t1"}, {"cache_salt": "t2"}, False),
     ({"cache_salt": "t1"}, {"cache_salt": "t1"}, True),
     ({"cache_salt": "t1"}, {}, False),
-    ({"lora_name": "l1"}, {"lora_name": "l2"}, False),
-    ({"lora_name": "l1"}, {"lora_name": "l1"}, True),
-    ({"lora_name": "x"}, {"cache_salt": "x"}, False),
 ])
-def test_cache_salt_and_lora_isolate_caches(kw_a: dict, kw_b: dict, shares: bool) -> None:
+def test_cache_salt_isolates_caches(kw_a: dict, kw_b: dict, shares: bool) -> None:
     mgr = KVCacheManager(16, BS)
     admit(mgr, make_req(mgr, "a", list(range(12)), **kw_a))
     _, num_hit = mgr.get_computed_blocks(make_req(mgr, "b", list(range(12)), **kw_b))
@@ -297,7 +294,7 @@ def test_request_status() -> None:
 
 @pytest.mark.parametrize("field, value", [
     ("request_id", ""), ("prompt_token_ids", []), ("block_size", 0), ("hash_seed", b"x"),
-    ("cache_salt", 3), ("lora_name", 3), ("max_tokens", -1), ("max_tokens", 2.0),
+    ("cache_salt", 3), ("max_tokens", -1), ("max_tokens", 2.0),
 ])
 def test_request_rejects_bad_fields(field: str, value: object) -> None:
     kw: dict = dict(request_id="r", prompt_token_ids=[1, 2], sampling_params=None,

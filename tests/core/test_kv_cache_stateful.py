@@ -14,13 +14,12 @@ BS = 4
 MAX_LIVE = 6
 PREFIXES = [(), tuple(range(8)), tuple(range(100, 106)), tuple(range(8)) + (50, 51, 52, 53)]
 
-SlotKey = tuple[str | None, str | None, tuple[int, ...]]
+SlotKey = tuple[str | None, tuple[int, ...]]
 
 
 def slot_key(req: Request, pos: int) -> SlotKey:
-    """What the KV at `pos` depends on: the tokens up to it, the adapter, and (for isolation)
-    the salt."""
-    return req.cache_salt, req.lora_name, tuple(req.all_token_ids[: pos + 1])
+    """What the KV at `pos` depends on: the tokens up to it and (for isolation) the salt."""
+    return req.cache_salt, tuple(req.all_token_ids[: pos + 1])
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -46,15 +45,14 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: len(self.live()) < MAX_LIVE)
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 2), max_size=9),
-          salt=st.sampled_from([None, "x"]), lora=st.sampled_from([None, "x", "y"]))
-    def add_request(self, prefix: tuple[int, ...], suffix: list[int], salt: str | None,
-                    lora: str | None) -> None:
+          salt=st.sampled_from([None, "x", "y"]))
+    def add_request(self, prefix: tuple[int, ...], suffix: list[int], salt: str | None) -> None:
         prompt = list(prefix) + suffix or [7]
         self.count += 1
         self.waiting.append(Request(
             request_id=f"r{self.count}", prompt_token_ids=prompt, sampling_params=None,
             arrival_time=float(self.count), block_size=BS, hash_seed=self.mgr.root_hash,
-            cache_salt=salt, lora_name=lora))
+            cache_salt=salt))
 
     @precondition(lambda self: self.live())
     @rule(data=st.data())
