@@ -17,16 +17,9 @@ from dataclasses import dataclass
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import KVTransfer, Request, RequestStatus
-from jaxserve.core.scheduler_output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    KVLoad,
-    Logprobs,
-    ModelRunnerOutput,
-    NewRequestData,
-    PromptLogprobs,
-    SchedulerOutput,
-)
+from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput, KVLoad, Logprobs,
+                                            ModelRunnerOutput, NewRequestData, PromptLogprobs,
+                                            SchedulerOutput)
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.core.structured_output import grammar_bitmask
 

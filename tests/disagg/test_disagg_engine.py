@@ -9,16 +9,8 @@ import asyncio
 
 import jax
 import pytest
-from disagg_helpers import (
-    ENGINE,
-    GREEDY,
-    SPLIT,
-    assert_no_disagg_leaks,
-    drain,
-    prefix_prompt,
-    tokens,
-    workload,
-)
+from disagg_helpers import (ENGINE, GREEDY, SPLIT, assert_no_disagg_leaks, drain, prefix_prompt,
+                            tokens, workload)
 
 from jaxserve import LLM, LLMEngine, SamplingParams
 from jaxserve.config import EngineConfig

@@ -9,16 +9,8 @@ import socket
 
 import jax
 import pytest
-from disagg_helpers import (
-    ENGINE,
-    GREEDY,
-    SPLIT,
-    assert_no_disagg_leaks,
-    drain,
-    prefix_prompt,
-    tokens,
-    workload,
-)
+from disagg_helpers import (ENGINE, GREEDY, SPLIT, assert_no_disagg_leaks, drain, prefix_prompt,
+                            tokens, workload)
 
 from jaxserve import LLMEngine
 from jaxserve.config import EngineConfig
