@@ -23,7 +23,6 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
-
 def refuse_lora(lora_request: object | None) -> None:
     """LoRA adapters do not exist here: a request for one is refused, never served by the base
     model (vLLM's `lora_request=` argument is accepted so that `None` works as there)."""
@@ -31,11 +30,14 @@ def refuse_lora(lora_request: object | None) -> None:
         raise ValueError(f"LoRA adapters are not supported, got lora_request={lora_request!r}: "
                          "this engine serves only its base model")
 
+
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
                  block_size: int, root_hash: bytes, limits: ModelConfig,
-                 eos_token_ids: Sequence[int] = (), structured_outputs: bool = True):
-        """`limits`: the engine's seed and per-request limits (max_logprobs, max_n)."""
+                 eos_token_ids: Sequence[int] = (), structured_outputs: bool = True,
+                 prompt_logprobs: str | None = None):
+        """`limits`: the engine's seed and per-request limits (max_logprobs, max_n).
+        `prompt_logprobs`: None where they are served, else why not."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -46,6 +48,7 @@ class InputProcessor:
         self.rng = np.random.default_rng(limits.seed)
         self.eos_token_ids = tuple(eos_token_ids)
         self.supports_structured_outputs = structured_outputs
+        self.no_prompt_logprobs = prompt_logprobs
         self._structured: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()
         per_token = None if tokenizer is None else tokenizer.max_token_chars()
@@ -107,6 +110,8 @@ class InputProcessor:
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.max_logprobs}), "
                              f"got {params.logprobs}")
+        if params.prompt_logprobs is not None and self.no_prompt_logprobs is not None:
+            raise ValueError(f"prompt_logprobs is not supported {self.no_prompt_logprobs}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
             raise ValueError(f"prompt_logprobs must be <= max_logprobs ({self.max_logprobs}), "
                              f"got {params.prompt_logprobs}")

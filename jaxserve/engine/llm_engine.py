@@ -30,7 +30,8 @@ class LLMEngine:
             config.cache.block_size, self.core.root_hash, config.model,
             self.core.model_config.eos_token_ids,
             # Its requests cross to the decode side (maybe another process) without a matcher.
-            structured_outputs=config.parallel.disaggregation is None)
+            structured_outputs=config.parallel.disaggregation is None,
+            prompt_logprobs=_no_prompt_logprobs(config))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
@@ -82,6 +83,17 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing reset) while a request holds blocks."""
         return all([s.kv.reset_prefix_cache() for s in self.core.schedulers])
+
+
+def _no_prompt_logprobs(config: EngineConfig) -> str | None:
+    """Why prompt logprobs are refused, if they are: their step programs are not built at
+    warm-up (so strict_compile would fail the step), and they are untested across the two sides
+    of a disaggregated engine."""
+    if config.runner.strict_compile:
+        return "with strict_compile (their step programs are not built at warm-up)"
+    if config.parallel.disaggregation is not None:
+        return "with disaggregated prefill/decode"
+    return None
 
 
 def _tokenizer(config: EngineConfig, own: Tokenizer | None, model: Any) -> Tokenizer | None:

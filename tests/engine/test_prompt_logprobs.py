@@ -95,3 +95,16 @@ def test_prompt_logprobs_over_max_logprobs_is_refused(llm):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
     assert_no_leaks(llm.llm_engine)
+
+
+def test_strict_compile_refuses_prompt_logprobs_instead_of_failing_the_step(
+        hf_checkpoint, compile_cache_dir):
+    """Their step programs are not built at warm-up: under strict_compile a request asking for
+    them would raise in the step (and stop the engine), so it is refused up front."""
+    llm = LLM(str(hf_checkpoint("llama")), compilation_cache_dir=compile_cache_dir,
+              precompile=True, strict_compile=True, **SMALL_ENGINE)
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported with strict_compile"):
+        llm.generate([[5, 6, 7]], SamplingParams(prompt_logprobs=2, max_tokens=2))
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2))
+    assert len(out[0].outputs[0].token_ids) == 2  # the engine serves on
+    assert_no_leaks(llm.llm_engine)
