@@ -148,6 +148,8 @@ def test_every_step_phase_is_timed_from_inside(llm):
                  use_tqdm=False)
     wall = time.perf_counter() - start
     spent = {k: v - before[k] for k, v in llm.stats().step_seconds.items()}
+    mask = spent.pop("mask")  # a part of schedule and update, for structured outputs only
     assert set(spent) == {"schedule", "prep", "dispatch", "device", "update", "output"}
     assert all(v > 0 for v in spent.values()), spent
+    assert mask == 0.0  # no request was constrained
     assert sum(spent.values()) <= wall  # phases do not overlap on the host
