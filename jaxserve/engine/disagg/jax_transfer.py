@@ -20,15 +20,26 @@ import jax.numpy as jnp
 logger = logging.getLogger(__name__)
 
 
-def start_server(device: Any) -> Any | None:
-    """A transfer server on loopback for this device's client, or None where it cannot run."""
-    try:
-        from jax.experimental import transfer
+# One server per runtime client for the life of the process, shared by every connector: a
+# server is never torn down while the runtime it is registered with may still use it.
+_SERVERS: dict[int, Any] = {}
 
-        return transfer.start_transfer_server(device.client, "127.0.0.1:0", ["127.0.0.1:0"])
-    except Exception as e:  # noqa: BLE001 (any platform without it: the caller falls back)
-        logger.info("JAX's transfer server does not start here (%s: %s)", type(e).__name__, e)
-        return None
+
+def start_server(device: Any) -> Any | None:
+    """The transfer server on loopback for this device's client (started on first use), or
+    None where it cannot run."""
+    key = id(device.client)
+    if key not in _SERVERS:
+        try:
+            from jax.experimental import transfer
+
+            _SERVERS[key] = transfer.start_transfer_server(device.client, "127.0.0.1:0",
+                                                           ["127.0.0.1:0"])
+        except Exception as e:  # noqa: BLE001 (any platform without it: the caller falls back)
+            logger.info("JAX's transfer server does not start here (%s: %s)",
+                        type(e).__name__, e)
+            _SERVERS[key] = None
+    return _SERVERS[key]
 
 
 class Offers:
