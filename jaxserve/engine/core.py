@@ -204,6 +204,7 @@ class EngineCore:
                     self.schedulers[rank].finish_requests([first.request_id],
                                                           RequestStatus.FINISHED_ERROR)
                     self.router.forget(first.request_id)
+                    self.connector.release([first.request_id])
                     outputs.append(first)
                     continue
                 out = self.schedulers[rank].accept_remote_token(first)
