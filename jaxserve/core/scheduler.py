@@ -344,7 +344,8 @@ class Scheduler:
         self.kv.record_query(request, num_hit)
         self._holding.add(request.request_id)
         request.num_computed_tokens = num_hit
-        first, end = num_hit // self.kv.block_size, -(-(request.num_tokens - 1) // self.kv.block_size)
+        block_size = self.kv.block_size
+        first, end = num_hit // block_size, -(-(request.num_tokens - 1) // block_size)
         block_ids = self.kv.get_block_ids(request.request_id)[first:end]
         if block_ids:
             self._loads.append(KVLoad(request.request_id, block_ids, first))
