@@ -62,3 +62,17 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
 def compile_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One persistent XLA cache for the session: engines with equal shapes reuse compilations."""
     return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs_after_each_module():
+    """A module's engines and in-memory executables go when it ends (the persistent cache keeps
+    recompiles cheap): a full run otherwise holds hundreds of CPU executables, and a segfault in
+    JAX's cache serializer was seen late in full runs, never in a module run alone."""
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
