@@ -168,7 +168,7 @@ def profile_host(model_path: str, server_args: str, num: int, input_len: int, ou
     output = detokenise, stop strings, delta outputs)."""
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.entrypoints.cli_args import add_engine_args, engine_kwargs
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser, skip=("model",))
@@ -181,7 +181,7 @@ def profile_host(model_path: str, server_args: str, num: int, input_len: int, ou
     before = engine.stats().step_seconds
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step(delta=True)
+        engine.step(RequestOutputKind.DELTA)
         steps += 1
     total = time.perf_counter() - start
     spent = {k: v - before[k] for k, v in engine.stats().step_seconds.items()}

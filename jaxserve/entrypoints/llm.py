@@ -13,7 +13,7 @@ from jaxserve.engine.input_processor import PromptType, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics_reader import Metric, engine_metrics
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -77,8 +77,8 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         generated = 0
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
+            for out in self.engine.step(RequestOutputKind.FINAL_ONLY):
+                if out.request_id in wanted:
                     finished[out.request_id] = out
                     generated += sum(len(c.token_ids) for c in out.outputs)
                     bar.update(1)

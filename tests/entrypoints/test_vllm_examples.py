@@ -13,6 +13,7 @@ import pytest
 from jaxserve import (LLM, AsyncEngineArgs, AsyncLLM, EngineArgs, LLMEngine, RequestOutputKind,
                       SamplingParams)
 from jaxserve.inputs import TextPrompt, TokensPrompt
+from jaxserve.outputs import Logprob
 from jaxserve.vllm_args import accept_vllm_args
 
 # vLLM's example scripts pass these; here they have no effect (one log line each).
@@ -106,6 +107,46 @@ def test_llm_engine_from_engine_args_step_loop(engine_args: dict[str, Any],
         finished += [out for out in engine.step() if out.finished]
     want = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
     assert [o.outputs[0].token_ids for o in finished] == [want.token_ids]
+
+
+def test_llm_engine_step_gives_each_request_its_own_output_kind(engine_args: dict[str, Any],
+                                                               llm: LLM) -> None:
+    engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
+    greedy = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, "Once upon a time",
+                           SamplingParams(output_kind=kind, **greedy))
+    seen: dict[str, list] = {kind.name: [] for kind in RequestOutputKind}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    want = llm.generate("Once upon a time", SamplingParams(**greedy),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    cumulative, delta, final = (seen[k] for k in ("CUMULATIVE", "DELTA", "FINAL_ONLY"))
+    assert [o.outputs[0].token_ids for o in cumulative] == [
+        want[:len(o.outputs[0].token_ids)] for o in cumulative]
+    assert len(cumulative) > 1 and cumulative[-1].outputs[0].token_ids == want
+    assert [o.finished for o in cumulative] == [False] * (len(cumulative) - 1) + [True]
+    assert [t for o in delta for t in o.outputs[0].token_ids] == want
+    assert len(delta) == len(cumulative)
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == want
+
+
+def test_logprobs_and_prompt_logprobs_have_vllms_shape(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=1,
+                            ignore_eos=True)
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    comp, tokenizer = out.outputs[0], llm.get_tokenizer()
+    assert out.finished is True and comp.finished() is True  # a field, and vLLM's method
+    assert len(comp.logprobs) == len(comp.token_ids) == 4
+    for token, entry in zip(comp.token_ids, comp.logprobs):
+        assert all(isinstance(lp, Logprob) for lp in entry.values())
+        assert next(iter(entry)) == token and entry[token].rank == 1 and len(entry) == 2
+        assert entry[token].decoded_token == tokenizer.decode([token], skip_special_tokens=False)
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert next(iter(entry)) == token and len(entry) in (1, 2)
 
 
 def test_async_llm_output_kinds(engine_args: dict[str, Any], llm: LLM) -> None:

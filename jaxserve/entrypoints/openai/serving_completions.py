@@ -8,13 +8,12 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from jaxserve.core.scheduler_output import Logprobs
 from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                   CompletionRequest, CompletionResponse)
 from jaxserve.entrypoints.openai.serving_common import (DONE, OpenAIServing, SSEResponse, merge,
                                                         sse, stream_error, usage)
-from jaxserve.outputs import PromptLogprobs, RequestOutput
+from jaxserve.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
 
 
 class _Choice:
@@ -84,15 +83,14 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt["prompt"]
         return "" if self.tokenizer is None else self.tokenizer.decode(prompt["prompt_token_ids"])
 
-    def _logprobs(self, token_ids: list[int], entries: list[Logprobs], offset: int,
+    def _logprobs(self, token_ids: list[int], entries: SampleLogprobs, offset: int,
                   ) -> tuple[CompletionLogprobs, int]:
         lp = CompletionLogprobs()
         for token_id, entry in zip(token_ids, entries):
             text = self.token_text(token_id)
-            top = {self.token_text(t): v for t, v in entry.top}
-            top.setdefault(text, entry.logprob)
+            top = {self.token_text(t): v.logprob for t, v in entry.items()}
             lp.tokens.append(text)
-            lp.token_logprobs.append(entry.logprob)
+            lp.token_logprobs.append(entry[token_id].logprob)
             lp.top_logprobs.append(top)
             lp.text_offset.append(offset)
             offset += len(text)
