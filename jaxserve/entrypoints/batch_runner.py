@@ -176,7 +176,8 @@ def _engine_prompt(row: InputRow, tokenizer: Any) -> Any:
     if row.kind == "prompt_token_ids":
         return {"prompt_token_ids": row.prompt}
     if row.kind == "messages":
-        return {"prompt_token_ids": tokenizer.apply_chat_template(row.prompt)}
+        return {"prompt_token_ids": tokenizer.apply_chat_template(
+            row.prompt, add_generation_prompt=True)}
     return row.prompt
 
 

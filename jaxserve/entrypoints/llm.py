@@ -12,6 +12,7 @@ from jaxserve.engine.core import EngineStats
 from jaxserve.engine.input_processor import PromptType, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics_reader import Metric, engine_metrics
+from jaxserve.models.chat_template import CONTENT_FORMATS, load_chat_template, text_content
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -61,15 +62,43 @@ class LLM:
         return self._run(ids, use_tqdm and len(ids) > 1)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, lora_request: object | None = None,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's `chat`: each conversation through the chat template (the tokenizer's, or
+        `chat_template`: a template or a file), then `generate`."""
+        refuse_lora(lora_request)
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("messages: this model has no tokenizer, so no chat template")
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs is not supported: there are no multimodal "
+                             "models in jaxserve")
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
+                             f"got {chat_template_content_format!r}")
+        template = None if chat_template is None else load_chat_template(chat_template)
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt)} for conv in conversations]
+        prompts = []
+        for c, conversation in enumerate(conversations):
+            if chat_template_content_format != "openai":
+                conversation = [{**m, "content": text_content(
+                    m.get("content"), f"messages[{c}][{i}].content")}
+                    for i, m in enumerate(conversation)]
+            prompts.append({"prompt_token_ids": tokenizer.apply_chat_template(
+                conversation, tools, chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}))})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Any, params: Any, **kwargs: Any) -> list[Any]:
+        raise ValueError("beam_search is not supported by jaxserve (nor use_beam_search on "
+                         "the server): sample with n > 1 and rank by cumulative_logprob")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(ids)

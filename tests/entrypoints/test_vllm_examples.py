@@ -67,6 +67,48 @@ def test_chat(llm: LLM) -> None:  # examples/offline_inference/basic/chat.py
     assert len(outputs) == 1 and outputs[0].outputs[0].finish_reason in ("stop", "length")
 
 
+def test_chat_options_reach_the_template(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    template = ("{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{% endfor %}"
+                "{% if tools %}tools={{ tools | length }};{% endif %}{{ mood }}"
+                "{% if add_generation_prompt %}assistant={% endif %}")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                 {"type": "text", "text": "robot"}]},
+                    {"role": "assistant", "content": "Hello"}]
+    out = llm.chat(conversation, greedy, use_tqdm=False, chat_template=template, tools=tools,
+                   chat_template_kwargs={"mood": "calm;"}, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    assert out.prompt_token_ids == tokenizer.encode("user=Hi robot;assistant=Hello",
+                                                    add_special_tokens=False)
+    again = llm.chat(conversation, greedy, use_tqdm=False, chat_template=template, tools=tools,
+                     chat_template_kwargs={"mood": "calm;"}, add_generation_prompt=False,
+                     continue_final_message=False)[0]
+    assert again.prompt_token_ids == tokenizer.encode(
+        "user=Hi robot;assistant=Hello;tools=1;calm;", add_special_tokens=False)
+    want = llm.generate({"prompt_token_ids": out.prompt_token_ids}, greedy, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(continue_final_message=True), "add_generation_prompt and continue_final_message"),
+    (dict(mm_processor_kwargs={"x": 1}), "mm_processor_kwargs"),
+    (dict(chat_template_content_format="html"), "chat_template_content_format"),
+    (dict(chat_template="no/such/template.jinja"), "chat_template"),
+    (dict(lora_request=object()), "lora_request")])
+def test_chat_refuses_what_it_cannot_do_naming_the_field(llm: LLM, kwargs: dict[str, Any],
+                                                         field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False, **kwargs)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_beam_search_is_refused_not_ignored(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="beam_search is not supported"):
+        llm.beam_search(["Hi"], None)
+
+
 def test_get_metrics_reads_vllm_named_series(llm: LLM) -> None:
     from jaxserve.engine.metrics_reader import Counter, Gauge
 

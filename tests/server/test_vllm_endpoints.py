@@ -31,7 +31,7 @@ def test_tokenize_and_detokenize_round_trip(served):
         assert bare["tokens"] == tokenizer.encode(text, False) != ids
         assert "".join(bare["token_strs"]) == text
         chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
-        assert chat["tokens"] == tokenizer.apply_chat_template(MESSAGES, True)
+        assert chat["tokens"] == tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
         assert http.post("/detokenize", json={"tokens": bare["tokens"]}).json() == {
             "prompt": text}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -101,8 +102,9 @@ class OpenAIServing:
             conversation.append({"role": m.role, "content": content or ""})
         self.check_chars("".join(m["content"] for m in conversation), "messages")
         try:
-            return await asyncio.to_thread(self.tokenizer.apply_chat_template, conversation,
-                                           add_generation_prompt, tools)
+            return await asyncio.to_thread(functools.partial(
+                self.tokenizer.apply_chat_template, conversation, tools,
+                add_generation_prompt=add_generation_prompt))
         except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
             raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
                 from None
