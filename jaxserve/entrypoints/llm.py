@@ -12,7 +12,8 @@ from jaxserve.engine.core import EngineStats
 from jaxserve.engine.input_processor import PromptType, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics_reader import Metric, engine_metrics
-from jaxserve.models.chat_template import CONTENT_FORMATS, load_chat_template, text_content
+from jaxserve.models.chat_template import (CONTENT_FORMATS, load_chat_template,
+                                           template_variables, text_content)
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -82,6 +83,7 @@ class LLM:
             raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
                              f"got {chat_template_content_format!r}")
         template = None if chat_template is None else load_chat_template(chat_template)
+        variables = template_variables(chat_template_kwargs)
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for c, conversation in enumerate(conversations):
@@ -93,7 +95,7 @@ class LLM:
                 conversation, tools, chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}))})
+                **variables)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: Any, params: Any, **kwargs: Any) -> list[Any]:

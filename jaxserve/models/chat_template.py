@@ -20,6 +20,25 @@ def load_chat_template(value: str) -> str:
     return value
 
 
+# apply_chat_template's own arguments: as template variables they would change the call.
+_RESERVED = frozenset({"conversation", "messages", "tools", "chat_template", "tokenize",
+                       "add_generation_prompt", "continue_final_message"})
+
+
+def template_variables(chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's `chat_template_kwargs`, checked: extra variables for the template only."""
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, dict):
+        raise ValueError("chat_template_kwargs must be a dict of template variables, got "
+                         f"{type(chat_template_kwargs).__name__}")
+    reserved = sorted(_RESERVED & set(chat_template_kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs.{reserved[0]}: not a template variable (pass "
+                         "it as its own argument)")
+    return chat_template_kwargs
+
+
 def text_content(content: Any, where: str) -> str:
     """A message's content as one string: a string, or a list of OpenAI text parts."""
     if content is None or isinstance(content, str):

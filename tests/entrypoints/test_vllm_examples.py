@@ -96,7 +96,9 @@ def test_chat_options_reach_the_template(llm: LLM) -> None:
     (dict(mm_processor_kwargs={"x": 1}), "mm_processor_kwargs"),
     (dict(chat_template_content_format="html"), "chat_template_content_format"),
     (dict(chat_template="no/such/template.jinja"), "chat_template"),
-    (dict(lora_request=object()), "lora_request")])
+    (dict(lora_request=object()), "lora_request"),
+    (dict(chat_template_kwargs={"tokenize": False}), "chat_template_kwargs.tokenize"),
+    (dict(chat_template_kwargs=["x"]), "chat_template_kwargs must be a dict")])
 def test_chat_refuses_what_it_cannot_do_naming_the_field(llm: LLM, kwargs: dict[str, Any],
                                                          field: str) -> None:
     with pytest.raises(ValueError, match=field):

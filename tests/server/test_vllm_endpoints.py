@@ -10,6 +10,29 @@ from server_helpers import MODEL_NAME
 MESSAGES = [{"role": "user", "content": "Hello robot"}]
 
 
+def test_chat_template_options_are_honoured_on_tokenize_and_chat(served):
+    tokenizer = served.llm.tokenizer
+    open_reply = [*MESSAGES, {"role": "assistant", "content": "Hello"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True,
+               "chat_template_kwargs": {"unused_variable": 1}}
+    with httpx.Client(base_url=served.url, headers=served.headers, timeout=60) as http:
+        got = http.post("/tokenize", json={"messages": open_reply, **options}).json()
+        want = tokenizer.apply_chat_template(open_reply, add_generation_prompt=False,
+                                             continue_final_message=True)
+        assert got["tokens"] == want
+        assert want != tokenizer.apply_chat_template(open_reply)  # the template closes it
+        chat = http.post("/v1/chat/completions", json={
+            "model": MODEL_NAME, "messages": open_reply, "max_tokens": 2, **options}).json()
+        assert chat["usage"]["prompt_tokens"] == len(want)
+        bad = http.post("/v1/chat/completions", json={
+            "model": MODEL_NAME, "messages": MESSAGES, "chat_template_kwargs": {"tokenize": 0}})
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "chat_template_kwargs"
+        both = http.post("/tokenize", json={"messages": open_reply,
+                                            "continue_final_message": True})
+        assert both.status_code == 400 and "continue_final_message" in both.text
+
+
 def test_ping_and_version(served):
     assert httpx.get(f"{served.url}/ping").status_code == 200  # no key, as /health
     assert httpx.post(f"{served.url}/ping").status_code == 200

@@ -172,8 +172,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = SamplingRequest.UNSUPPORTED | {
         "reasoning_effort": (None,),
-        "echo": (False,), "continue_final_message": (False,), "add_special_tokens": (False,),
-        "documents": (None, []), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+        "echo": (False,), "add_special_tokens": (False,),
+        "documents": (None, []), "chat_template": (None,),
         "mm_processor_kwargs": (None, {})}
 
 
@@ -196,8 +196,7 @@ class TokenizeChatRequest(APIRequest):
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         name: ChatCompletionRequest.UNSUPPORTED[name] for name in (
-            "continue_final_message", "add_special_tokens", "chat_template",
-            "chat_template_kwargs", "mm_processor_kwargs")} | {"tools": (None, [])}
+            "add_special_tokens", "chat_template", "mm_processor_kwargs")}
 
 
 class DetokenizeRequest(APIRequest):

@@ -15,9 +15,11 @@ from starlette.types import Receive, Scope, Send
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxserve.entrypoints.openai.errors import APIError, bad_request
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
-from jaxserve.entrypoints.openai.protocol import (APIRequest, ChatMessage, SamplingRequest,
+from jaxserve.entrypoints.openai.protocol import (APIRequest, ChatCompletionRequest,
+                                                  SamplingRequest, TokenizeChatRequest,
                                                   UsageInfo)
 from jaxserve.entrypoints.openai.structured import structured_outputs_of
+from jaxserve.models.chat_template import template_variables, text_content
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -83,28 +85,35 @@ class OpenAIServing:
         self.check_chars(text, param)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+    async def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest,
                           tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The messages' token ids through the tokenizer's chat template."""
-        if not messages:
+        """The request's messages' token ids through the tokenizer's chat template, with its
+        add_generation_prompt, continue_final_message and chat_template_kwargs."""
+        if not req.messages:
             raise APIError(400, "messages must not be empty", "messages")
         if self.tokenizer is None:
             raise APIError(400, "messages: this model has no tokenizer, so no chat template",
                            "messages")
         conversation: list[dict[str, Any]] = []
-        for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(p.type != "text" or p.text is None for p in content):
-                    raise APIError(400, f"messages.{i}.content: only text parts are supported",
-                                   f"messages.{i}.content", "unsupported")
-                content = "".join(p.text or "" for p in content)
-            conversation.append({"role": m.role, "content": content or ""})
+        for i, m in enumerate(req.messages):
+            content = m.content if not isinstance(m.content, list) else [
+                p.model_dump(exclude_none=True) for p in m.content]
+            try:
+                conversation.append({"role": m.role, "content": text_content(
+                    content, f"messages.{i}.content")})
+            except ValueError as exc:
+                raise APIError(400, str(exc), f"messages.{i}.content", "unsupported") from None
         self.check_chars("".join(m["content"] for m in conversation), "messages")
+        try:
+            variables = template_variables(req.chat_template_kwargs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "chat_template_kwargs") from None
         try:
             return await asyncio.to_thread(functools.partial(
                 self.tokenizer.apply_chat_template, conversation, tools,
-                add_generation_prompt=add_generation_prompt))
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **variables))
         except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
             raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
                 from None
