@@ -33,6 +33,17 @@ def test_chat_template_options_are_honoured_on_tokenize_and_chat(served):
         assert both.status_code == 400 and "continue_final_message" in both.text
 
 
+def test_the_servers_chat_template_replaces_the_models(served):
+    from fastapi.testclient import TestClient
+
+    from jaxserve.entrypoints.openai.api_server import build_app
+
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    app = build_app(served.llm, [MODEL_NAME], chat_template=template)
+    got = TestClient(app).post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert got == served.llm.tokenizer.encode("[Hello robot]", add_special_tokens=False)
+
+
 def test_ping_and_version(served):
     assert httpx.get(f"{served.url}/ping").status_code == 200  # no key, as /health
     assert httpx.post(f"{served.url}/ping").status_code == 200

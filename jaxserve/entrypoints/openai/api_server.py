@@ -59,9 +59,10 @@ class APIKeyMiddleware:
 
 def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None = None, *,
               open_metrics: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
+              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+              chat_template: str | None = None) -> FastAPI:
     """With `api_key`, every route but /health and /ping needs it (/metrics too unless
-    `open_metrics`)."""
+    `open_metrics`). `chat_template` replaces the model's for every chat request."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
@@ -72,8 +73,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
     app = FastAPI(title="jaxserve", summary="OpenAI-compatible API over jaxserve")
     metrics = ServerMetrics(llm, served_model_names[0])
     completions = OpenAIServingCompletion(llm, served_model_names, metrics)
-    chat = OpenAIServingChat(llm, served_model_names, metrics)
-    tokenization = OpenAIServingTokenization(llm, served_model_names, metrics)
+    chat = OpenAIServingChat(llm, served_model_names, metrics, chat_template)
+    tokenization = OpenAIServingTokenization(llm, served_model_names, metrics, chat_template)
     install_error_handlers(app)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_body_bytes,
                        read_timeout_s=read_timeout_s)
@@ -181,14 +182,16 @@ class BackgroundServer:
 def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: int,
                api_key: str | None = None, log_level: str = "info", *,
                open_metrics: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> int:
+               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+               chat_template: str | None = None) -> int:
     """Serve until interrupted (SIGINT/SIGTERM: returns 0) or until the engine dies (returns 1,
     so that a supervisor restarts the process rather than keep one that only answers 503).
     `read_timeout_s` bounds how long a request's headers, and each chunk of its body, may
     take to arrive."""
     warn_if_exposed(host, api_key)
     app = build_app(llm, served_model_names, api_key, open_metrics=open_metrics,
-                    max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s)
+                    max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s,
+                    chat_template=chat_template)
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
         http=timed_h11(read_timeout_s)))

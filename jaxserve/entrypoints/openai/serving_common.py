@@ -49,8 +49,10 @@ class SSEResponse(StreamingResponse):
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_names: list[str], metrics: ServerMetrics):
+    def __init__(self, llm: AsyncLLM, model_names: list[str], metrics: ServerMetrics,
+                 chat_template: str | None = None):
         self.llm = llm
+        self.chat_template = chat_template  # the server's --chat-template, over the model's
         self.model_names = model_names
         self.metrics = metrics
         self.tokenizer = llm.tokenizer
@@ -111,6 +113,7 @@ class OpenAIServing:
         try:
             return await asyncio.to_thread(functools.partial(
                 self.tokenizer.apply_chat_template, conversation, tools,
+                chat_template=self.chat_template,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 **variables))
