@@ -61,7 +61,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 # Other subcommands live beside their job and register themselves: module -> `register(sub)`.
 SUBCOMMAND_MODULES = ("jaxserve.entrypoints.serve_cli", "jaxserve.entrypoints.run_cli",
-                      "jaxserve.entrypoints.compile_cli")
+                      "jaxserve.entrypoints.compile_cli", "jaxserve.entrypoints.bench_serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,6 @@ n > 1, and requests without them in the same batch (their tokens unchanged)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from engine_helpers import SMALL_ENGINE, assert_no_leaks, check_against_hf, random_prompts

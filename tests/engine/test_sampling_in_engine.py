@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from engine_helpers import SMALL_ENGINE, check_against_hf, random_prompts

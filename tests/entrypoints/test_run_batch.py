@@ -4,7 +4,6 @@ it (generated text equal to the offline engine's), bad lines recorded, order kep
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
