@@ -1,4 +1,5 @@
-"""The `jaxserve` command: generate, convert, serve, run, compile and compile-check."""
+"""The `jaxserve` command: generate, convert, serve, run, run-batch, compile, compile-check,
+bench serve, chat and complete."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 # Other subcommands live beside their job and register themselves: module -> `register(sub)`.
 SUBCOMMAND_MODULES = ("jaxserve.entrypoints.serve_cli", "jaxserve.entrypoints.run_cli",
-                      "jaxserve.entrypoints.compile_cli", "jaxserve.entrypoints.bench_serve")
+                      "jaxserve.entrypoints.compile_cli", "jaxserve.entrypoints.bench_serve",
+                      "jaxserve.entrypoints.client_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
