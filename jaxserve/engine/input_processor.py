@@ -148,6 +148,9 @@ class InputProcessor:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         text, token_ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens are kept
+            keep = params.truncate_prompt_tokens
+            token_ids = token_ids[-(self.max_model_len - 1 if keep == -1 else keep):]
         self.validate_token_ids(token_ids)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

@@ -61,7 +61,7 @@ class OutputProcessor:
 
     def _detokenizer(self, prompt_token_ids: list[int],
                      params: SamplingParams) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
+        if self.tokenizer is None or not params.detokenize:
             return None
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                       skip_special_tokens=params.skip_special_tokens)
@@ -101,8 +101,8 @@ class OutputProcessor:
             metrics.last_token_time = now
             comp.token_ids.extend(out.new_token_ids)
             if comp.logprobs is not None:
-                comp.logprobs.extend(sample_logprobs(lp, self.tokenizer)
-                                     for lp in out.new_logprobs)
+                tokenizer = self.tokenizer if state.params.detokenize else None
+                comp.logprobs.extend(sample_logprobs(lp, tokenizer) for lp in out.new_logprobs)
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + sum(
                     lp.logprob for lp in out.new_logprobs)
             if sample.detokenizer is not None:

@@ -106,6 +106,22 @@ def test_chat_refuses_what_it_cannot_do_naming_the_field(llm: LLM, kwargs: dict[
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens_and_detokenize_false_gives_no_text(
+        llm: LLM) -> None:
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    greedy = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
+    cut = llm.generate(PROMPTS[1], SamplingParams(truncate_prompt_tokens=3, **greedy),
+                       use_tqdm=False)[0]
+    tail = llm.generate({"prompt_token_ids": ids[-3:]}, SamplingParams(**greedy),
+                        use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-3:] and len(ids) > 3
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    bare = llm.generate({"prompt_token_ids": ids[-3:]}, SamplingParams(
+        detokenize=False, logprobs=1, **greedy), use_tqdm=False)[0].outputs[0]
+    assert bare.token_ids == tail.outputs[0].token_ids and bare.text == ""
+    assert all(lp.decoded_token is None for e in bare.logprobs for lp in e.values())
+
+
 def test_beam_search_is_refused_not_ignored(llm: LLM) -> None:
     with pytest.raises(ValueError, match="beam_search is not supported"):
         llm.beam_search(["Hi"], None)
