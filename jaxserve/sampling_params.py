@@ -252,3 +252,26 @@ def request_seed(params: SamplingParams, rng: np.random.Generator, index: int = 
     if params.seed is None:
         return int(rng.integers(0, SEED_MODULUS))
     return (int(params.seed) + index) % SEED_MODULUS
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """vLLM's `LLM.beam_search` parameters: keep the `beam_width` likeliest sequences, scored
+    by cumulative logprob / length ** length_penalty, for `max_tokens` steps."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, low=1)
+        _check_int("max_tokens", self.max_tokens, low=1)
+        self.temperature = _check_float("temperature", self.temperature)
+        if not 0 <= self.temperature <= FLOAT32_MAX:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        self.length_penalty = _check_float("length_penalty", self.length_penalty)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -12,10 +12,11 @@ from jaxserve.engine.core import EngineStats
 from jaxserve.engine.input_processor import PromptType, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics_reader import Metric, engine_metrics
+from jaxserve.entrypoints.beam_search import BeamSearchOutput, beam_search
 from jaxserve.models.chat_template import (CONTENT_FORMATS, load_chat_template,
                                            template_variables, text_content)
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -98,9 +99,28 @@ class LLM:
                 **variables)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def beam_search(self, prompts: Any, params: Any, **kwargs: Any) -> list[Any]:
-        raise ValueError("beam_search is not supported by jaxserve (nor use_beam_search on "
-                         "the server): sample with n > 1 and rank by cumulative_logprob")
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: object | None = None, use_tqdm: bool = False,
+                    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search over `generate` (jaxserve/entrypoints/beam_search.py)."""
+        refuse_lora(lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        processor = self.engine.input_processor
+        if 2 * params.beam_width > processor.max_logprobs:
+            raise ValueError(f"beam_width must be <= max_logprobs / 2 "
+                             f"({processor.max_logprobs // 2}), got {params.beam_width}")
+        token_prompts = [processor.tokenize(p)[1] for p in prompts]
+        for i, ids in enumerate(token_prompts):
+            processor.validate_token_ids(ids)
+            if len(ids) + params.max_tokens > processor.max_model_len:
+                raise ValueError(f"max_tokens: prompt {i} has {len(ids)} tokens; with "
+                                 f"{params.max_tokens} more it exceeds max_model_len "
+                                 f"({processor.max_model_len})")
+        tokenizer = self.engine.tokenizer
+        return beam_search(lambda batch, step: self.generate(batch, step, use_tqdm=False),
+                           token_prompts, params, frozenset(processor.eos_token_ids),
+                           None if tokenizer is None else tokenizer.decode)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(ids)

@@ -122,9 +122,26 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_and_detokenize_false_gives
     assert all(lp.decoded_token is None for e in bare.logprobs for lp in e.values())
 
 
-def test_beam_search_is_refused_not_ignored(llm: LLM) -> None:
-    with pytest.raises(ValueError, match="beam_search is not supported"):
-        llm.beam_search(["Hi"], None)
+def test_beam_search_gives_vllms_output_and_refuses_what_it_cannot(llm: LLM) -> None:
+    from jaxserve.sampling_params import BeamSearchParams
+
+    outs = llm.beam_search([TextPrompt(prompt=PROMPTS[0]), {"prompt_token_ids": [5, 6, 7]}],
+                           BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
+    assert len(outs) == 2 and all(len(o.sequences) == 2 for o in outs)
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    for seq in outs[0].sequences:
+        assert seq.tokens[:len(ids)] == ids and len(seq.tokens) == len(ids) + 3
+        assert seq.text == llm.get_tokenizer().decode(seq.tokens)
+        assert seq.cum_logprob == pytest.approx(
+            sum(e[t].logprob for t, e in zip(seq.tokens[len(ids):], seq.logprobs)), abs=1e-5)
+    assert outs[0].sequences[0].cum_logprob >= outs[0].sequences[1].cum_logprob
+    with pytest.raises(ValueError, match="beam_width must be <= max_logprobs / 2"):
+        llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=11, max_tokens=2))
+    with pytest.raises(ValueError, match="params must be a BeamSearchParams"):
+        llm.beam_search([PROMPTS[0]], SamplingParams())
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=200))
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_get_metrics_reads_vllm_named_series(llm: LLM) -> None:
