@@ -44,6 +44,22 @@ def test_the_servers_chat_template_replaces_the_models(served):
     assert got == served.llm.tokenizer.encode("[Hello robot]", add_special_tokens=False)
 
 
+def test_invocations_routes_chat_and_completion_bodies(served):
+    with httpx.Client(base_url=served.url, headers=served.headers, timeout=60) as http:
+        greedy = {"model": MODEL_NAME, "max_tokens": 3, "temperature": 0}
+        for path, body in (("/v1/completions", {"prompt": "Once upon"}),
+                           ("/v1/chat/completions", {"messages": MESSAGES})):
+            want = http.post(path, json=greedy | body).json()
+            got = http.post("/invocations", json=greedy | body).json()
+            assert got["object"] == want["object"] and got["choices"] == want["choices"]
+        bad = http.post("/invocations", content=b"{not json")
+        assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+        assert http.post("/invocations", json={"max_tokens": 2}).status_code == 400
+        assert http.post("/invocations", json=[1]).status_code == 400
+        refused = http.post("/invocations", json={"prompt": "x", "use_beam_search": True})
+        assert refused.json()["error"]["param"] == "use_beam_search"
+
+
 def test_ping_and_version(served):
     assert httpx.get(f"{served.url}/ping").status_code == 200  # no key, as /health
     assert httpx.post(f"{served.url}/ping").status_code == 200

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import ipaddress
+import json
 import logging
 import threading
 import time
@@ -12,8 +13,10 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.engine.async_llm import AsyncLLM
@@ -136,6 +139,25 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
               responses=body_errors | _generation_reply(ChatCompletionResponse))
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await cancel_on_disconnect(raw, chat.create(req))
+
+    either = {"anyOf": [{"$ref": "#/components/schemas/CompletionRequest"},
+                        {"$ref": "#/components/schemas/ChatCompletionRequest"}]}
+
+    @app.post("/invocations", response_class=Response, openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": either}}}},
+        responses=body_errors | _generation_reply(CompletionResponse | ChatCompletionResponse))
+    async def invocations(raw: Request) -> Response:
+        """vLLM's (SageMaker's) one route: a chat body (with messages) or a completion body."""
+        try:
+            body = json.loads(await raw.body())
+        except ValueError:
+            raise APIError(400, "the body is not valid JSON") from None
+        chat_body = isinstance(body, dict) and "messages" in body
+        try:
+            req = (ChatCompletionRequest if chat_body else CompletionRequest).model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        return await cancel_on_disconnect(raw, (chat if chat_body else completions).create(req))
 
     document_errors_as_answered(app)
     return app
