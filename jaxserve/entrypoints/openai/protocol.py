@@ -133,7 +133,9 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True
     prompt_embeds: bytes | list[bytes] | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = SamplingRequest.UNSUPPORTED | {
+    # prompt_logprobs is honoured here (not on chat): each choice carries the prompt's.
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        k: v for k, v in SamplingRequest.UNSUPPORTED.items() if k != "prompt_logprobs"} | {
         "suffix": (None, ""), "prompt_embeds": (None,)}
 
 
@@ -232,10 +234,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class LogprobEntry(BaseModel):
+    """vLLM's Logprob: one token's log-probability, rank (1: the likeliest) and text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    # With prompt_logprobs (vLLM's): per prompt position, token id -> entry; the first is None.
+    prompt_logprobs: list[dict[int, LogprobEntry] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # extension: the stop string or token that ended it
     token_ids: list[int] | None = None  # with return_token_ids (delta when streamed)

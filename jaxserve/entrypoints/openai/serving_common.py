@@ -28,6 +28,7 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalt
 _PASSED_SAMPLING = ("n", "seed", "stop", "min_tokens", "ignore_eos", "stop_token_ids",
                     "skip_special_tokens", "include_stop_str_in_output")
 SAMPLING_FIELDS = _OPTIONAL_SAMPLING + _PASSED_SAMPLING + ("max_tokens", "logprobs",
+                                                          "prompt_logprobs",
                                                           "structured_outputs")
 _PROMPT_FIELDS = ("prompt", "prompt_token_ids", "request_id", "cache_salt")
 DONE = "data: [DONE]\n\n"
@@ -137,13 +138,15 @@ class OpenAIServing:
                            "context_length_exceeded")
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        ) -> SamplingParams:
         kwargs: dict[str, Any] = {name: getattr(req, name) for name in _PASSED_SAMPLING}
         kwargs |= {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
                    if getattr(req, name) is not None}
         kwargs["structured_outputs"] = structured_outputs_of(req)
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                                  prompt_logprobs=prompt_logprobs,
                                   output_kind=RequestOutputKind.DELTA, **kwargs)
         except ValueError as exc:
             raise bad_request(exc, fields=SAMPLING_FIELDS) from None

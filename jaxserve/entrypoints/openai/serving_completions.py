@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse, Response
 
 from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
-                                                  CompletionRequest, CompletionResponse)
+                                                  CompletionRequest, CompletionResponse,
+                                                  LogprobEntry)
 from jaxserve.entrypoints.openai.serving_common import (DONE, OpenAIServing, SSEResponse, merge,
                                                         sse, stream_error, usage)
 from jaxserve.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
@@ -26,6 +27,7 @@ class _Choice:
         self.offset = 0  # of the next token's text, for logprobs.text_offset
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -38,12 +40,17 @@ class OpenAIServingCompletion(OpenAIServing):
         if scores_prompt and req.stream:
             raise APIError(400, "echo with logprobs is not supported when streaming", "echo",
                            "unsupported")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs is not supported when streaming",
+                           "prompt_logprobs", "unsupported")
+        if scores_prompt and req.prompt_logprobs not in (None, req.logprobs):
+            raise APIError(400, f"prompt_logprobs must equal logprobs ({req.logprobs}) with "
+                           f"echo, got {req.prompt_logprobs}", "prompt_logprobs")
         # echo with max_tokens=0 (an evaluation harness's log-likelihood request): the prompt
         # alone; the engine samples one token, which is not returned.
         prompt_only = req.echo and req.max_tokens == 0
-        params = self.sampling_params(req, 1 if prompt_only else req.max_tokens, req.logprobs)
-        if scores_prompt:
-            params.prompt_logprobs = req.logprobs
+        params = self.sampling_params(req, 1 if prompt_only else req.max_tokens, req.logprobs,
+                                      req.logprobs if scores_prompt else req.prompt_logprobs)
         prompts = await self._prompts(req)
         request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         gens = await self.start(request_id, prompts, params, req)
@@ -168,6 +175,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_tokens += len(out.prompt_token_ids)
                 for comp in out.outputs:
                     choice = choices[i * n + comp.index]
+                    if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                        choice.prompt_logprobs = out.prompt_logprobs
                     if out.prompt_logprobs is not None and choice.logprobs is not None \
                             and not choice.logprobs.tokens:
                         choice.offset = self._prompt_logprobs(
@@ -192,6 +201,16 @@ class OpenAIServingCompletion(OpenAIServing):
             id=request_id, model=model,
             choices=[CompletionChoice(index=k, text=c.text, logprobs=c.logprobs,
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                      token_ids=c.token_ids if req.return_token_ids else None)
+                                      token_ids=c.token_ids if req.return_token_ids else None,
+                                      prompt_logprobs=_entries(c.prompt_logprobs))
                      for k, c in sorted(choices.items())],
             usage=usage(prompt_tokens, sum(len(c.token_ids) for c in choices.values())))
+
+
+def _entries(prompt_logprobs: PromptLogprobs | None,
+             ) -> list[dict[int, LogprobEntry] | None] | None:
+    if prompt_logprobs is None:
+        return None
+    return [None if e is None else {t: LogprobEntry(logprob=lp.logprob, rank=lp.rank,
+                                                    decoded_token=lp.decoded_token)
+                                    for t, lp in e.items()} for e in prompt_logprobs]
