@@ -120,3 +120,27 @@ def test_vllm_named_metrics_are_served_beside_the_jaxserve_ones(served):
         for prefix in ("vllm", "jaxserve"):
             key = f"{prefix}:{name}"
             assert after[key] - before.get(key, 0) == grew, key
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(served):
+    long_prompt = list(range(5, 5 + 300))  # longer than the context
+    with httpx.Client(base_url=f"{served.url}/v1", headers=served.headers, timeout=60) as http:
+        greedy = {"model": MODEL_NAME, "max_tokens": 3, "temperature": 0}
+        cut = http.post("/completions", json=greedy | {"prompt": long_prompt[:40],
+                                                       "truncate_prompt_tokens": 4}).json()
+        tail = http.post("/completions", json=greedy | {"prompt": long_prompt[36:40]}).json()
+        assert cut["choices"][0]["text"] == tail["choices"][0]["text"]
+        assert cut["usage"]["prompt_tokens"] == 4
+        assert http.post("/completions", json=greedy | {"prompt": long_prompt}).status_code \
+            == 400
+        fits = http.post("/completions", json=greedy | {"prompt": long_prompt,
+                                                        "truncate_prompt_tokens": -1,
+                                                        "max_tokens": 1}).json()
+        assert fits["usage"]["prompt_tokens"] == served.llm.max_model_len - 1
+        chat = http.post("/chat/completions", json=greedy | {
+            "messages": MESSAGES, "truncate_prompt_tokens": 2}).json()
+        assert chat["usage"]["prompt_tokens"] == 2
+        bad = http.post("/completions", json=greedy | {"prompt": "x",
+                                                       "truncate_prompt_tokens": 0})
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "truncate_prompt_tokens"

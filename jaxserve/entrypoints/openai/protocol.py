@@ -82,6 +82,7 @@ class SamplingRequest(APIRequest):
     priority: int = 0
     cache_salt: str | None = None
     return_token_ids: bool = False  # choices carry the generated token ids (vLLM's extension)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: all fit)
     request_id: str | None = None  # the response's id is built from it (as vLLM)
 
     # vLLM's fields that jaxserve does not support (see UNSUPPORTED).
@@ -90,7 +91,6 @@ class SamplingRequest(APIRequest):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None
     logits_processors: list[Any] | None = None
@@ -110,7 +110,7 @@ class SamplingRequest(APIRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "use_beam_search": (False,), "length_penalty": (1.0,), "prompt_logprobs": (None,),
         "allowed_token_ids": (None,), "bad_words": (None, []),
-        "truncate_prompt_tokens": (None,), "spaces_between_special_tokens": (True,),
+        "spaces_between_special_tokens": (True,),
         "return_tokens_as_token_ids": (None, False), "logits_processors": (None, []),
         "structural_tag": (None,), "guided_decoding_backend": (None, "guidance"),
         "guided_whitespace_pattern": (None,), "kv_transfer_params": (None,),

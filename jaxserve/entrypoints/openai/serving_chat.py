@@ -35,8 +35,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         params = self.sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
-        prompt_ids = await self.render_chat(req, req.tools)
-        self.check_length(prompt_ids, "messages", max_tokens)
+        prompt_ids = self.fit(await self.render_chat(req, req.tools), req, "messages",
+                              max_tokens)
         request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         gens = await self.start(request_id, [{"prompt_token_ids": prompt_ids}], params, req)
         model = req.model or self.model_names[0]

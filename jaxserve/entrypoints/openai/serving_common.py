@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxserve.engine.input_processor import truncated
 from jaxserve.entrypoints.openai.errors import APIError, bad_request
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import (APIRequest, ChatCompletionRequest,
@@ -26,7 +27,8 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                       "frequency_penalty", "repetition_penalty")
 _PASSED_SAMPLING = ("n", "seed", "stop", "min_tokens", "ignore_eos", "stop_token_ids",
-                    "skip_special_tokens", "include_stop_str_in_output")
+                    "skip_special_tokens", "include_stop_str_in_output",
+                    "truncate_prompt_tokens")
 SAMPLING_FIELDS = _OPTIONAL_SAMPLING + _PASSED_SAMPLING + ("max_tokens", "logprobs",
                                                           "prompt_logprobs",
                                                           "structured_outputs")
@@ -121,6 +123,14 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
             raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
                 from None
+
+    def fit(self, token_ids: list[int], req: SamplingRequest, param: str,
+            max_tokens: int | None) -> list[int]:
+        """The prompt as the engine will see it (truncate_prompt_tokens applied), checked to
+        fit the context with `max_tokens`."""
+        token_ids = truncated(token_ids, req.truncate_prompt_tokens, self.max_model_len)
+        self.check_length(token_ids, param, max_tokens)
+        return token_ids
 
     def check_length(self, token_ids: list[int], param: str, max_tokens: int | None) -> None:
         """The prompt and `max_tokens` must fit the context (vLLM answers 400, not a clipped

@@ -78,11 +78,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     raise APIError(400, "prompt: this model has no tokenizer; send token ids",
                                    "prompt")
                 ids = await self.encode(item, "prompt", req.add_special_tokens)
-                prompts.append({"prompt": item, "prompt_token_ids": ids})
+                prompts.append({"prompt": item, "prompt_token_ids": self.fit(
+                    ids, req, "prompt", req.max_tokens)})
             else:
-                ids = list(item)
-                prompts.append({"prompt_token_ids": ids})
-            self.check_length(ids, "prompt", req.max_tokens)
+                prompts.append({"prompt_token_ids": self.fit(list(item), req, "prompt",
+                                                             req.max_tokens)})
         return prompts
 
     def _prompt_text(self, prompt: dict[str, Any]) -> str:
