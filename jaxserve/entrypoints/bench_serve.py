@@ -162,9 +162,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         if resp.status_code != 200:
             raise ValueError(f"GET {base}/v1/models: HTTP {resp.status_code}: {resp.text}")
         model = resp.json()["data"][0]["id"]
-    rng = np.random.default_rng(args.seed)
-    prompts = rng.integers(3, args.random_vocab_size,
-                           size=(args.num_prompts, args.random_input_len)).tolist()
+    prompts = random_token_prompts(args.num_prompts, args.random_input_len,
+                                   args.random_vocab_size, args.seed)
     percentiles = tuple(float(q) for q in args.metric_percentiles.split(","))
     # As vLLM: one request first, so that a misconfigured run fails at once and clearly.
     test, _ = asyncio.run(run_benchmark(base, model, prompts[:1], args.random_output_len,
@@ -190,9 +189,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks, as `vllm bench`")
-    kinds = bench.add_subparsers(dest="bench_command", required=True)
+def random_token_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """`num` prompts of `length` random token ids in [3, vocab_size) (clear of the usual
+    specials), the same for a given seed."""
+    return np.random.default_rng(seed).integers(3, vocab_size, size=(num, length)).tolist()
+
+
+def add_serve_parser(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser("serve", help="drive a running server: Poisson arrivals, vLLM's "
                          "latency and throughput summary")
     p.add_argument("--base-url", default=None, help="the server (default: http://HOST:PORT)")

@@ -1,5 +1,5 @@
 """The `jaxserve` command: generate, convert, serve, run, run-batch, compile, compile-check,
-bench serve, chat and complete."""
+bench (serve, throughput, latency), chat and complete."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 # Other subcommands live beside their job and register themselves: module -> `register(sub)`.
 SUBCOMMAND_MODULES = ("jaxserve.entrypoints.serve_cli", "jaxserve.entrypoints.run_cli",
-                      "jaxserve.entrypoints.compile_cli", "jaxserve.entrypoints.bench_serve",
+                      "jaxserve.entrypoints.compile_cli", "jaxserve.entrypoints.bench_cli",
                       "jaxserve.entrypoints.client_cli")
 
 
