@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from jaxserve.core.scheduler_output import Logprobs
-
 
 @dataclass
 class Logprob:
@@ -16,7 +14,8 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# vLLM's shape: per position, token id -> Logprob (the prompt's first position is None).
+# vLLM's shapes: per position, token id -> Logprob (the prompt's first position is None).
+SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
@@ -26,12 +25,11 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[Logprobs] | None = None
+    logprobs: SampleLogprobs | None = None  # the sampled token first, then the top-k by rank
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
-    @property
-    def finished(self) -> bool:
+    def finished(self) -> bool:  # a method, as vLLM's
         return self.finish_reason is not None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json as _json
 import numbers
 from dataclasses import dataclass
+from typing import Any
 from enum import IntEnum
 
 import numpy as np
@@ -119,9 +120,18 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # how AsyncLLM streams
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: all that fit)
+    detokenize: bool = True  # False: token ids only (no text; no stop strings)
+    extra_args: dict[str, Any] | None = None  # vLLM's, for custom sampling code: none reads it
+    # vLLM's; only the values that ask for nothing (see _check_unsupported).
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
+        self._check_unsupported()
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
@@ -166,6 +176,27 @@ class SamplingParams:
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
         _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
+        _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allow_none=True,
+                   low=-1)
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be >= 1 or -1, got 0")
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text)")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
+
+    def _check_unsupported(self) -> None:
+        """vLLM's fields that the on-device sampler cannot honour: refused, never ignored."""
+        if self.spaces_between_special_tokens is not True:
+            raise ValueError("spaces_between_special_tokens=False is not supported (text is "
+                             "decoded as the tokenizer's own decode does)")
+        for name in ("logit_bias", "allowed_token_ids", "bad_words"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported by jaxserve (the sampler has no "
+                                 "per-request token bias or mask; structured_outputs can "
+                                 "constrain tokens)")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:
@@ -221,3 +252,26 @@ def request_seed(params: SamplingParams, rng: np.random.Generator, index: int = 
     if params.seed is None:
         return int(rng.integers(0, SEED_MODULUS))
     return (int(params.seed) + index) % SEED_MODULUS
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """vLLM's `LLM.beam_search` parameters: keep the `beam_width` likeliest sequences, scored
+    by cumulative logprob / length ** length_penalty, for `max_tokens` steps."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, low=1)
+        _check_int("max_tokens", self.max_tokens, low=1)
+        self.temperature = _check_float("temperature", self.temperature)
+        if not 0 <= self.temperature <= FLOAT32_MAX:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        self.length_penalty = _check_float("length_penalty", self.length_penalty)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -24,10 +24,12 @@ NO_EFFECT = {
     "distributed_executor_backend": "one process drives all devices (SPMD)",
     "tokenizer_mode": "the checkpoint's tokenizer.json is used",
 }
-# Accepted only with the value that asks for nothing (vLLM's default).
+# Accepted only with the value that asks for nothing (vLLM's default, but for
+# generation_config: "vllm" there means no sampling defaults from the checkpoint, as here).
 ONLY_DEFAULT: dict[str, Any] = {
     "revision": None, "code_revision": None, "tokenizer_revision": None, "quantization": None,
     "kv_cache_dtype": "auto", "pipeline_parallel_size": 1, "cpu_offload_gb": 0,
+    "generation_config": "vllm",
 }
 _logged: set[str] = set()
 
@@ -49,6 +51,12 @@ def accept_vllm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
                              "use 'bfloat16' (the same size) or 'float32'")
         elif name == "dtype" and value == "float":
             out[name] = "float32"
-        else:
+        elif name != "data_parallel_size":
             out[name] = value
+    if "data_parallel_size" in kwargs:  # vLLM's; on one host it is the local size
+        local = out.setdefault("data_parallel_size_local", kwargs["data_parallel_size"])
+        if local != kwargs["data_parallel_size"]:
+            raise ValueError(f"data_parallel_size ({kwargs['data_parallel_size']}) and "
+                             f"data_parallel_size_local ({local}) differ: jaxserve runs every "
+                             "replica in this process")
     return out

@@ -1,6 +1,7 @@
-"""Serving benchmark (like `vllm bench serve`): Poisson arrivals at several request rates against
-the OpenAI-compatible server; throughput and p50/p90/p99 of TTFT, inter-token latency (ITL) and
-end-to-end latency, written as a markdown table.
+"""Serving benchmark sweep: `jaxserve bench serve`'s Poisson arrivals and summary
+(jaxserve/entrypoints/bench_serve.py) at several request rates against the OpenAI-compatible
+server; throughput and p50/p90/p99 of TTFT, inter-token latency (ITL) and end-to-end latency,
+written as a markdown table, with the engine's busy share and its step split by phase.
 
     python scripts/bench_serving.py                      # starts `jaxserve serve` on stories260K
     python scripts/bench_serving.py --url http://host:8000 --model NAME   # an existing server
@@ -21,74 +22,18 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
+
+from jaxserve.entrypoints.bench_serve import run_benchmark, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 STORIES = Path("/work/shared/models/stories260K/stories260K.bin")
 DEFAULT_SERVER_ARGS = ("--max-model-len 512 --max-num-seqs 32 --max-num-batched-tokens 256 "
                        "--token-buckets 64,256 --request-buckets 32 --precompile "
                        "--compilation-cache-dir /tmp/jaxserve_bench_xla")
-
-
-@dataclass
-class Result:
-    ok: bool
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    error: str = ""
-
-
-async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result:
-    start = time.perf_counter()
-    times: list[float] = []
-    tokens = 0
-    try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                return Result(False, error=f"HTTP {resp.status_code}: {await resp.aread()!r}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return Result(False, error=str(chunk["error"]))
-                for choice in chunk.get("choices", []):
-                    n = len(choice.get("token_ids") or []) or (1 if choice.get("text") else 0)
-                    if n:
-                        tokens += n
-                        times.append(time.perf_counter())
-    except httpx.HTTPError as exc:
-        return Result(False, error=repr(exc))
-    if not times:
-        return Result(False, error="no tokens")
-    return Result(True, times[0] - start, times[-1] - start, np.diff(times).tolist(), tokens)
-
-
-async def run_rate(base: str, model: str, prompts: list[list[int]], output_len: int,
-                   rate: float, seed: int, api_key: str | None) -> tuple[list[Result], float]:
-    rng = np.random.default_rng(seed)
-    gaps = (np.zeros(len(prompts)) if rate == float("inf")
-            else rng.exponential(1.0 / rate, size=len(prompts)))
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
-        tasks = []
-        start = time.perf_counter()
-        for prompt, gap in zip(prompts, gaps):
-            await asyncio.sleep(gap)
-            body = {"model": model, "prompt": prompt, "max_tokens": output_len,
-                    "temperature": 0, "ignore_eos": True, "stream": True,
-                    "return_token_ids": True}
-            tasks.append(asyncio.create_task(one_request(client, f"{base}/v1/completions",
-                                                         body)))
-        results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - start
 
 
 def scrape(base: str, name: str) -> float | None:
@@ -102,25 +47,14 @@ def scrape(base: str, name: str) -> float | None:
     return None
 
 
-def summarize(rate: float, results: list[Result], duration: float, input_len: int,
-              busy: float | None) -> dict:
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
+PERCENTILES = (50, 90, 99)
 
-    def pct(values: list[float], q: float) -> float:
-        return float(np.percentile(values, q)) * 1000 if values else float("nan")
 
-    ttft = [r.ttft for r in ok]
-    itl = [x for r in ok for x in r.itl]
-    e2e = [r.e2e for r in ok]
-    return {"rate": "inf" if rate == float("inf") else f"{rate:g}", "ok": len(ok),
-            "failed": len(results) - len(ok), "duration_s": duration,
-            "req_s": len(ok) / duration, "out_tok_s": out_tokens / duration,
-            "total_tok_s": (out_tokens + input_len * len(ok)) / duration,
-            **{f"ttft_p{q}": pct(ttft, q) for q in (50, 90, 99)},
-            **{f"itl_p{q}": pct(itl, q) for q in (50, 90, 99)},
-            **{f"e2e_p{q}": pct(e2e, q) for q in (50, 90, 99)},
-            "busy": busy, "first_error": next((r.error for r in results if not r.ok), "")}
+def summarize_rate(rate: float, results: list, duration: float, busy: float | None) -> dict:
+    """`jaxserve bench serve`'s summary of one rate, with the engine's busy share."""
+    return {"rate": "inf" if rate == float("inf") else f"{rate:g}",
+            **summarize(results, duration, PERCENTILES), "busy": busy,
+            "first_error": next((r.error for r in results if not r.ok), "")}
 
 
 def default_model() -> str:
@@ -168,7 +102,7 @@ def profile_host(model_path: str, server_args: str, num: int, input_len: int, ou
     output = detokenise, stop strings, delta outputs)."""
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.entrypoints.cli_args import add_engine_args, engine_kwargs
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser, skip=("model",))
@@ -181,7 +115,7 @@ def profile_host(model_path: str, server_args: str, num: int, input_len: int, ou
     before = engine.stats().step_seconds
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step(delta=True)
+        engine.step(RequestOutputKind.DELTA)
         steps += 1
     total = time.perf_counter() - start
     spent = {k: v - before[k] for k, v in engine.stats().step_seconds.items()}
@@ -191,11 +125,13 @@ def profile_host(model_path: str, server_args: str, num: int, input_len: int, ou
 
 
 def write_table(rows: list[dict], out: Path, header: list[str]) -> str:
-    cols = [("rate (req/s)", "rate", "{}"), ("ok", "ok", "{}"), ("failed", "failed", "{}"),
-            ("req/s", "req_s", "{:.2f}"), ("out tok/s", "out_tok_s", "{:.1f}"),
-            ("total tok/s", "total_tok_s", "{:.1f}")] + [
-        (f"{m.upper()} p{q} (ms)", f"{m}_p{q}", "{:.1f}") for m in ("ttft", "itl", "e2e")
-        for q in (50, 90, 99)] + [("engine busy", "busy", "{:.0%}")]
+    cols = [("rate (req/s)", "rate", "{}"), ("ok", "completed", "{}"),
+            ("failed", "failed", "{}"), ("req/s", "request_throughput", "{:.2f}"),
+            ("out tok/s", "output_throughput", "{:.1f}"),
+            ("total tok/s", "total_token_throughput", "{:.1f}")] + [
+        (f"{label} p{q} (ms)", f"p{q}_{m}_ms", "{:.1f}")
+        for m, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2el", "E2E")) for q in PERCENTILES
+    ] + [("engine busy", "busy", "{:.0%}")]
     lines = header + ["", "| " + " | ".join(c[0] for c in cols) + " |",
                       "|" + "---|" * len(cols)]
     for row in rows:
@@ -243,18 +179,18 @@ def main() -> int:
         def prompts(n: int) -> list[list[int]]:
             return rng.integers(3, vocab, size=(n, args.input_len)).tolist()
 
-        asyncio.run(run_rate(base, name, prompts(args.warmup_prompts), args.output_len,
-                             float("inf"), args.seed, args.api_key))
+        asyncio.run(run_benchmark(base, name, prompts(args.warmup_prompts), args.output_len,
+                                  float("inf"), seed=args.seed, api_key=args.api_key))
         rows = []
         for i, rate in enumerate(float(r) for r in args.rates.split(",")):
             busy_before = scrape(base, "jaxserve:engine_step_seconds_total")
-            results, duration = asyncio.run(run_rate(
-                base, name, prompts(args.num_prompts), args.output_len, rate, args.seed + i,
-                args.api_key))
+            results, duration = asyncio.run(run_benchmark(
+                base, name, prompts(args.num_prompts), args.output_len, rate,
+                seed=args.seed + i, api_key=args.api_key))
             busy_after = scrape(base, "jaxserve:engine_step_seconds_total")
             busy = (None if busy_before is None or busy_after is None
                     else (busy_after - busy_before) / duration)
-            rows.append(summarize(rate, results, duration, args.input_len, busy))
+            rows.append(summarize_rate(rate, results, duration, busy))
             print(json.dumps(rows[-1]), file=sys.stderr)
     finally:
         if proc is not None:

@@ -38,6 +38,9 @@ from jaxserve.models.llama_config import LlamaConfig, param_shapes
 
 BOS, EOS = "<s>", "</s>"
 BOS_ID, EOS_ID = 0, 1
+# The model never saw a chat; this plain one makes `LLM().chat(...)` work on it.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 HELDOUT_MODULUS = 25
 SLICE_WINDOWS = 2  # the shipped held-out slice: the first windows of the held-out stream
 SKIPPED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -328,7 +331,7 @@ def save_checkpoint(out: Path, cfg: LlamaConfig, tok: Any, params: dict[str, np.
     os.chmod(out / "model.safetensors", 0o644)  # safetensors writes 0600
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
-        model_max_length=cfg.max_position_embeddings)
+        model_max_length=cfg.max_position_embeddings, chat_template=CHAT_TEMPLATE)
     fast.save_pretrained(str(out))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 # Small buckets keep the number of compiled step shapes (and CI time) low.
 SMALL_ENGINE = dict(max_model_len=128, num_kv_blocks=160, block_size=16, max_num_seqs=16,
@@ -40,3 +41,36 @@ def assert_no_leaks(engine) -> None:  # noqa: ANN001 (LLMEngine)
         assert not sched.kv.req_to_blocks
     assert not engine.core.router.routes and not engine.core.router.groups
     assert not engine.output_processor.states and not engine.output_processor.parent_of
+
+
+def hf_log_softmax(path, prompt: list[int]) -> np.ndarray:
+    """f32[P, V]: HF's log-softmax at each prompt position."""
+    import torch
+    from hf_checkpoints import hf_model
+
+    with torch.no_grad():
+        logits = hf_model(path)(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def check_against_hf(path, prompt: list[int], got, k: int, first: int = 1) -> None:
+    """Each position's own token (logprob and rank) and top-k (by rank) from `first` on equal
+    HF's log-softmax of `prompt` (vLLM's shape: position -> {token id: Logprob})."""
+    from jaxserve.outputs import Logprob
+
+    ref = hf_log_softmax(path, prompt)
+    assert len(got) == len(prompt) and got[0] is None
+    for pos in range(first, len(prompt)):
+        entry, row, token = got[pos], ref[pos - 1], prompt[pos]
+        assert isinstance(entry[token], Logprob)
+        assert entry[token].logprob == pytest.approx(float(row[token]), abs=1e-4)
+        # The rank counts the tokens more likely; ties within fp32 noise may go either way.
+        assert 1 + np.sum(row > row[token] + 1e-4) <= entry[token].rank \
+            <= 1 + np.sum(row > row[token] - 1e-4)
+        descending = np.sort(row)[::-1]
+        tops = {lp.rank: lp for tid, lp in entry.items() if tid != token}
+        for tid, lp in entry.items():
+            assert lp.logprob == pytest.approx(float(row[tid]), abs=1e-4)
+            if tid != token or lp.rank <= k:
+                assert lp.logprob == pytest.approx(float(descending[lp.rank - 1]), abs=1e-4)
+        assert len(entry) in (k, k + 1) and all(r <= k for r in tops)

@@ -166,6 +166,17 @@ def known_fraction(text: str) -> tuple[float, int]:
     return sum(w in stdlib_words() for w in words) / max(len(words), 1), len(words)
 
 
+def test_the_default_model_chats_through_its_template_as_transformers_renders_it(llm):
+    import transformers
+
+    messages = [{"role": "user", "content": "Read a file."}]
+    want = transformers.AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    assert out.prompt_token_ids == list(want)
+    assert out.outputs[0].token_ids and out.outputs[0].finish_reason in ("stop", "length")
+
+
 def test_generate_cli_prints_docstring_style_text(llm, xla_cache, capsys):
     from jaxserve.entrypoints.cli import main
 

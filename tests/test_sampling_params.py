@@ -131,3 +131,25 @@ def test_seed_minus_one_means_random_as_vllm():
     from jaxserve.sampling_params import SamplingParams as SP
 
     assert SP(seed=-1).seed is None and SP(seed=None).seed is None and SP(seed=0).seed == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(logit_bias={5: 1.0}), "logit_bias is not supported"),
+    (dict(allowed_token_ids=[5, 6]), "allowed_token_ids is not supported"),
+    (dict(bad_words=["robot"]), "bad_words is not supported"),
+    (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens=False"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be >= 1 or -1"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens must be in"),
+    (dict(detokenize=False, stop=["x"]), "stop strings need detokenize=True"),
+    (dict(detokenize=1), "detokenize must be a bool"),
+    (dict(extra_args=[1]), "extra_args must be a dict")])
+def test_vllms_other_fields_are_refused_or_checked_naming_them(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_vllms_other_fields_take_their_no_op_values() -> None:
+    p = SamplingParams(logit_bias={}, allowed_token_ids=None, bad_words=[],
+                       spaces_between_special_tokens=True, extra_args={"k": 1},
+                       truncate_prompt_tokens=-1, detokenize=False)
+    assert p.extra_args == {"k": 1} and p.truncate_prompt_tokens == -1 and not p.detokenize

@@ -302,7 +302,7 @@ class AsyncLLM:
 
     def _step(self) -> None:
         start = time.perf_counter()
-        outputs = self.engine.step(delta=True)
+        outputs = self.engine.step(RequestOutputKind.DELTA)
         self._step_seconds += time.perf_counter() - start
         self._num_steps += 1
         first = continuing = 0

@@ -148,6 +148,7 @@ class InputProcessor:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         text, token_ids = self.tokenize(prompt)
+        token_ids = truncated(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         self.validate_token_ids(token_ids)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -165,3 +166,11 @@ class InputProcessor:
                 request.structured_output = self.structured_outputs().request(
                     params.structured_outputs)
         return text, requests
+
+
+def truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: as many as leave room for
+    one generated token); None keeps them all."""
+    if keep is None:
+        return token_ids
+    return token_ids[-(max_model_len - 1 if keep == -1 else keep):]

@@ -13,7 +13,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.models.loaded_model import LoadedModel
 from jaxserve.models.tokenizer import Tokenizer, load_hf_tokenizer
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLMEngine:
@@ -69,10 +69,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def step(self, delta: bool = False) -> list[RequestOutput]:
+    def step(self, output_kind: RequestOutputKind | None = None) -> list[RequestOutput]:
+        """One engine step: each request's output as its `SamplingParams.output_kind` asks
+        (as vLLM's), or all of `output_kind`."""
         core_outputs = self.core.step()
         with self.core.timings.phase("output"):
-            outputs, stopped = self.output_processor.process_outputs(core_outputs, delta)
+            outputs, stopped = self.output_processor.process_outputs(core_outputs, output_kind)
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs

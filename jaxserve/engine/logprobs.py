@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jaxserve.core.scheduler_output import Logprobs
 from jaxserve.core.scheduler_output import PromptLogprobs as CorePromptLogprobs
 from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.outputs import Logprob, PromptLogprobs
@@ -11,7 +12,7 @@ def _decoded(tokenizer: Tokenizer | None, token_id: int) -> str | None:
     return None if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def position_logprobs(token_id: int, logprob: float, rank: int,
+def position_logprobs(token_id: int, logprob: float, rank: int | None,
                       top: list[tuple[int, float]], tokenizer: Tokenizer | None,
                       ) -> dict[int, Logprob]:
     """The given token first, then the top-k by rank (vLLM's order; the token appears once)."""
@@ -28,3 +29,18 @@ def prompt_logprobs_of(core: CorePromptLogprobs, prompt_token_ids: list[int], nu
     return [None] + [position_logprobs(token, lp, rank, top[:k], tokenizer)
                      for token, lp, rank, top in zip(prompt_token_ids[1:], core.logprobs,
                                                      core.ranks, core.top)]
+
+
+def sample_logprobs(core: Logprobs, tokenizer: Tokenizer | None) -> dict[int, Logprob]:
+    """One sampled position. The sampler returns no rank for the sampled token, so it has its
+    place in the top-k when it is there, else None (more than k tokens are likelier)."""
+    top_ids = [t for t, _ in core.top]
+    rank = top_ids.index(core.token_id) + 1 if core.token_id in top_ids else None
+    return position_logprobs(core.token_id, core.logprob, rank, core.top, tokenizer)
+
+
+def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
+    """The `k` likeliest tokens of one position's entry, as (token id, logprob) by rank."""
+    ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items()
+                    if lp.rank is not None and lp.rank <= k)
+    return [(t, logprob) for _, t, logprob in ranked]

@@ -6,10 +6,10 @@ import time
 from dataclasses import dataclass, field
 
 from jaxserve.core.scheduler_output import EngineCoreOutput
-from jaxserve.engine.logprobs import prompt_logprobs_of
+from jaxserve.engine.logprobs import prompt_logprobs_of, sample_logprobs
 from jaxserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxserve.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -37,7 +37,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.completion.finished for s in self.samples)
+        return all(s.completion.finished() for s in self.samples)
 
 
 class OutputProcessor:
@@ -61,7 +61,7 @@ class OutputProcessor:
 
     def _detokenizer(self, prompt_token_ids: list[int],
                      params: SamplingParams) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
+        if self.tokenizer is None or not params.detokenize:
             return None
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                       skip_special_tokens=params.skip_special_tokens)
@@ -70,10 +70,12 @@ class OutputProcessor:
         state = self.states.get(request_id)
         return [] if state is None else list(state.child_index)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput], delta: bool = False,
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        output_kind: RequestOutputKind | None = None,
                         ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated requests' outputs and the child ids that a stop string ended
-        (the caller must stop them in the scheduler)."""
+        """Returns the updated requests' outputs, of `output_kind` (None: each request's own),
+        and the child ids that a stop string ended (the caller must stop them in the
+        scheduler). FINAL_ONLY requests have an output only once they are finished."""
         now = time.time()
         touched: dict[str, RequestState] = {}
         stopped: list[str] = []
@@ -84,7 +86,7 @@ class OutputProcessor:
             state = self.states[parent]
             sample = state.samples[state.child_index[out.request_id]]
             comp = sample.completion
-            if comp.finished:
+            if comp.finished():
                 continue
             state.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
@@ -99,7 +101,8 @@ class OutputProcessor:
             metrics.last_token_time = now
             comp.token_ids.extend(out.new_token_ids)
             if comp.logprobs is not None:
-                comp.logprobs.extend(out.new_logprobs)
+                tokenizer = self.tokenizer if state.params.detokenize else None
+                comp.logprobs.extend(sample_logprobs(lp, tokenizer) for lp in out.new_logprobs)
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + sum(
                     lp.logprob for lp in out.new_logprobs)
             if sample.detokenizer is not None:
@@ -111,7 +114,7 @@ class OutputProcessor:
                 if len(comp.token_ids) > state.params.min_tokens and self._apply_stop_strings(
                         comp, state.params, before):
                     stopped.append(out.request_id)
-            if out.finish_reason is not None and not comp.finished:
+            if out.finish_reason is not None and not comp.finished():
                 comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
                 state.error = state.error or out.error
             touched[parent] = state
@@ -122,7 +125,9 @@ class OutputProcessor:
                 del self.states[parent]
                 for child in state.child_index:
                     self.parent_of.pop(child, None)
-            results.append(self._make_output(state, delta))
+            kind = state.params.output_kind if output_kind is None else output_kind
+            if kind != RequestOutputKind.FINAL_ONLY or state.finished:
+                results.append(self._make_output(state, kind == RequestOutputKind.DELTA))
         return results, stopped
 
     @staticmethod
@@ -154,7 +159,7 @@ class OutputProcessor:
                 if sample.sent_finish:
                     continue  # a finished sample has nothing new: it is sent once
                 # Hold back a possible stop-string prefix: it may still be cut from the text.
-                text_end = len(comp.text) if comp.finished else max(
+                text_end = len(comp.text) if comp.finished() else max(
                     sample.sent_text, len(comp.text) - holdback)
                 d = CompletionOutput(comp.index, comp.text[sample.sent_text:text_end],
                                      comp.token_ids[sample.sent_tokens:], comp.cumulative_logprob,
@@ -162,7 +167,7 @@ class OutputProcessor:
                                      else comp.logprobs[sample.sent_tokens:],
                                      comp.finish_reason, comp.stop_reason)
                 sample.sent_text, sample.sent_tokens = text_end, len(comp.token_ids)
-                sample.sent_finish = comp.finished
+                sample.sent_finish = comp.finished()
                 comp = d
             completions.append(comp)
         prompt_logprobs = state.prompt_logprobs

@@ -27,6 +27,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from jaxserve.engine.logprobs import top_logprobs
 from jaxserve.entrypoints.batch_spec import BatchRunSpec, InputRow, RowError, read_rows
 
 logger = logging.getLogger(__name__)
@@ -81,13 +82,14 @@ def _append_records(f: IO[str], records: list[dict[str, Any]]) -> None:
     os.fsync(f.fileno())
 
 
-def _completion_record(c: Any) -> dict[str, Any]:  # c: CompletionOutput
+def _completion_record(c: Any, num_top: int) -> dict[str, Any]:  # c: CompletionOutput
     record = {"index": c.index, "text": c.text, "token_ids": c.token_ids,
               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
     if c.logprobs is not None:
         record["cumulative_logprob"] = c.cumulative_logprob
-        record["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
-                               "top": [list(t) for t in lp.top]} for lp in c.logprobs]
+        record["logprobs"] = [{"token_id": t, "logprob": entry[t].logprob,
+                               "top": [list(top) for top in top_logprobs(entry, num_top)]}
+                              for t, entry in zip(c.token_ids, c.logprobs)]
     return record
 
 
@@ -95,7 +97,7 @@ def result_record(row: InputRow, out: Any) -> dict[str, Any]:  # out: RequestOut
     m = out.metrics
     return {
         "id": row.id,
-        "outputs": [_completion_record(c) for c in out.outputs],
+        "outputs": [_completion_record(c, row.params.logprobs or 0) for c in out.outputs],
         "num_prompt_tokens": len(out.prompt_token_ids),
         "num_cached_tokens": out.num_cached_tokens,
         "ttft_s": m.time_to_first_token,
@@ -174,7 +176,8 @@ def _engine_prompt(row: InputRow, tokenizer: Any) -> Any:
     if row.kind == "prompt_token_ids":
         return {"prompt_token_ids": row.prompt}
     if row.kind == "messages":
-        return {"prompt_token_ids": tokenizer.apply_chat_template(row.prompt)}
+        return {"prompt_token_ids": tokenizer.apply_chat_template(
+            row.prompt, add_generation_prompt=True)}
     return row.prompt
 
 

@@ -1,4 +1,5 @@
-"""The `jaxserve` command: generate, convert, serve, run, compile and compile-check."""
+"""The `jaxserve` command: generate, convert, serve, run, run-batch, compile, compile-check,
+bench (serve, throughput, latency), chat and complete."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import importlib
 import sys
 import time
 
-from jaxserve.entrypoints.cli_args import add_engine_args, engine_kwargs
+from jaxserve.entrypoints.cli_args import (add_config_arg, add_engine_args, engine_kwargs,
+                                           parse_with_config)
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
@@ -60,17 +62,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 # Other subcommands live beside their job and register themselves: module -> `register(sub)`.
 SUBCOMMAND_MODULES = ("jaxserve.entrypoints.serve_cli", "jaxserve.entrypoints.run_cli",
-                      "jaxserve.entrypoints.compile_cli")
+                      "jaxserve.entrypoints.compile_cli", "jaxserve.entrypoints.bench_cli",
+                      "jaxserve.entrypoints.client_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"jaxserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="+")
     gen.add_argument("--model", default=None, help="checkpoint: HF dir, .gguf, llama2.c .bin, "
                      "converted dir (default: the small model shipped with jaxserve)")
     add_engine_args(gen, skip=("model",))
+    add_config_arg(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     conv = sub.add_parser("convert", help="convert a checkpoint to jaxserve's orbax format")
@@ -83,9 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
+        return version("jaxserve")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_with_config(build_parser(), argv)
         return args.func(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -12,8 +12,11 @@ from jaxserve.engine.core import EngineStats
 from jaxserve.engine.input_processor import PromptType, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics_reader import Metric, engine_metrics
+from jaxserve.entrypoints.beam_search import BeamSearchOutput, beam_search
+from jaxserve.models.chat_template import (CONTENT_FORMATS, load_chat_template,
+                                           template_variables, text_content)
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -61,15 +64,63 @@ class LLM:
         return self._run(ids, use_tqdm and len(ids) > 1)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, lora_request: object | None = None,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's `chat`: each conversation through the chat template (the tokenizer's, or
+        `chat_template`: a template or a file), then `generate`."""
+        refuse_lora(lora_request)
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("messages: this model has no tokenizer, so no chat template")
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs is not supported: there are no multimodal "
+                             "models in jaxserve")
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
+                             f"got {chat_template_content_format!r}")
+        template = None if chat_template is None else load_chat_template(chat_template)
+        variables = template_variables(chat_template_kwargs)
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt)} for conv in conversations]
+        prompts = []
+        for c, conversation in enumerate(conversations):
+            if chat_template_content_format != "openai":
+                conversation = [{**m, "content": text_content(
+                    m.get("content"), f"messages[{c}][{i}].content")}
+                    for i, m in enumerate(conversation)]
+            prompts.append({"prompt_token_ids": tokenizer.apply_chat_template(
+                conversation, tools, chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **variables)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: object | None = None, use_tqdm: bool = False,
+                    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search over `generate` (jaxserve/entrypoints/beam_search.py)."""
+        refuse_lora(lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        processor = self.engine.input_processor
+        if 2 * params.beam_width > processor.max_logprobs:
+            raise ValueError(f"beam_width must be <= max_logprobs / 2 "
+                             f"({processor.max_logprobs // 2}), got {params.beam_width}")
+        token_prompts = [processor.tokenize(p)[1] for p in prompts]
+        for i, ids in enumerate(token_prompts):
+            processor.validate_token_ids(ids)
+            if len(ids) + params.max_tokens > processor.max_model_len:
+                raise ValueError(f"max_tokens: prompt {i} has {len(ids)} tokens; with "
+                                 f"{params.max_tokens} more it exceeds max_model_len "
+                                 f"({processor.max_model_len})")
+        tokenizer = self.engine.tokenizer
+        return beam_search(lambda batch, step: self.generate(batch, step, use_tqdm=False),
+                           token_prompts, params, frozenset(processor.eos_token_ids),
+                           None if tokenizer is None else tokenizer.decode)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(ids)
@@ -77,8 +128,8 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         generated = 0
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
+            for out in self.engine.step(RequestOutputKind.FINAL_ONLY):
+                if out.request_id in wanted:
                     finished[out.request_id] = out
                     generated += sum(len(c.token_ids) for c in out.outputs)
                     bar.update(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from jaxserve.entrypoints.cli_args import add_engine_args, engine_kwargs
+from jaxserve.entrypoints.cli_args import add_config_arg, add_engine_args, engine_kwargs
 from jaxserve.entrypoints.openai import API_KEY_ENV
 
 
@@ -13,7 +13,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Imported here: FastAPI and uvicorn are the [serve] extra, and slow to import.
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.openai.api_server import run_server
+    from jaxserve.models.chat_template import load_chat_template
 
+    chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     llm = AsyncLLM(args.model, max_queued_requests=args.max_queued_requests,
                    **engine_kwargs(args, skip=("model",)))
     limits = {name: getattr(args, name) for name in ("max_body_bytes", "read_timeout_s")
@@ -22,7 +24,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       args.host, args.port,
                       api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                       log_level=args.uvicorn_log_level, open_metrics=args.open_metrics,
-                      **limits)
+                      chat_template=chat_template, **limits)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,7 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="checkpoint path: HF dir, .gguf, llama2.c .bin, converted dir "
                        "(default: the small model shipped with jaxserve)")
     add_engine_args(serve, skip=("model",))
+    add_config_arg(serve)
     g = serve.add_argument_group("server")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template (a file, or the template itself) for every chat "
+                   "request, instead of the model's")
     g.add_argument("--host", default="0.0.0.0")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,

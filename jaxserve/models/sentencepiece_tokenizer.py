@@ -38,6 +38,9 @@ class SentencePieceTokenizer(Tokenizer):
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.unk_token_id = unk_token_id
+        self.bos_token, self.eos_token = (
+            self.pieces[i] if i is not None and 0 <= i < len(self.pieces) else None
+            for i in (bos_token_id, eos_token_id))
         self.token_types = (list(token_types) if token_types is not None
                             else self._infer_types())
         self._byte_value: dict[int, int] = {}  # byte-token id -> byte
@@ -174,6 +177,9 @@ class SentencePieceTokenizer(Tokenizer):
         if add_special_tokens and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def get_vocab(self) -> dict[str, int]:
+        return {piece: i for i, piece in reversed(list(enumerate(self.pieces)))}  # first id
 
     def max_token_chars(self) -> int | None:
         return max(map(len, self.pieces), default=1)  # byte pieces "<0x41>" only overcount

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from jaxserve.models.chat_template import render
 
 if TYPE_CHECKING:
     from jaxserve.models.llama_config import LlamaConfig
@@ -22,9 +23,14 @@ _CONTEXT_TOKENS = 5
 
 
 class Tokenizer(ABC):
+    """Encode, decode and chat templates, with the parts of HF's tokenizer API that vLLM users
+    call on `LLM.get_tokenizer()`."""
     vocab_size: int
     bos_token_id: int | None
     eos_token_id: int | None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    chat_template: str | None = None
 
     @abstractmethod
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -32,10 +38,39 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
-        raise ValueError(f"{type(self).__name__} has no chat template")
+    @abstractmethod
+    def get_vocab(self) -> dict[str, int]: ...
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True,
+                 ) -> dict[str, Any]:
+        """HF's call: `input_ids` and `attention_mask`, for one text or a list of them."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        batch = [self.encode(t, add_special_tokens) for t in text]
+        return {"input_ids": batch, "attention_mask": [[1] * len(ids) for ids in batch]}
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None, *,
+                            chat_template: str | None = None,
+                            add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: bool = True,
+                            **kwargs: Any) -> list[int] | str:
+        """HF's `apply_chat_template`: the token ids (or the text, with `tokenize=False`);
+        extra keywords are template variables (vLLM's chat_template_kwargs)."""
+        template = chat_template or self.chat_template
+        if not template:
+            raise ValueError(f"{type(self).__name__} has no chat template")
+        text = render(template, conversation, tools=tools,
+                      add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message,
+                      variables={"bos_token": self.bos_token or "",
+                                 "eos_token": self.eos_token or "", **kwargs})
+        # The template writes the BOS itself, so the text is encoded without specials.
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def max_token_chars(self) -> int | None:
         """An upper bound on the characters of text one token stands for (None: unknown), so
@@ -153,36 +188,8 @@ class HFTokenizer(Tokenizer):
         # A vocabulary entry has one character per byte (byte-level) or per character.
         return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
-    def render_chat_template(self, messages: list[dict[str, Any]],
-                             add_generation_prompt: bool = True,
-                             tools: list[dict[str, Any]] | None = None) -> str:
-        if not self.chat_template:
-            raise ValueError(f"tokenizer at {self.directory} has no chat template")
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(f"chat template: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template of {self.directory}: {e}") from e
-
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
-        # The template writes the BOS itself, so the rendered text is encoded without specials.
-        text = self.render_chat_template(messages, add_generation_prompt, tools)
-        return self.encode(text, add_special_tokens=False)
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
 
 
 def load_hf_tokenizer(directory: str | Path, model: LlamaConfig) -> HFTokenizer | None:

@@ -125,7 +125,8 @@ def test_chat_uses_the_tokenizer_chat_template(llm):
     tokenizer = llm.get_tokenizer()
     messages = [{"role": "user", "content": "Hello robot"}]
     out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
-    assert out.prompt_token_ids == tokenizer.apply_chat_template(messages)
+    assert out.prompt_token_ids == tokenizer.apply_chat_template(messages,
+                                                                 add_generation_prompt=True)
     direct = llm.generate({"prompt_token_ids": out.prompt_token_ids}, GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == direct.outputs[0].token_ids
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from engine_helpers import SMALL_ENGINE, random_prompts
+from engine_helpers import SMALL_ENGINE, check_against_hf, random_prompts
 from jaxserve import LLM, SamplingParams
 
 
@@ -31,16 +30,31 @@ def test_seeded_request_gives_the_same_tokens_alone_and_in_a_busy_batch(llm):
     assert llm.generate(prompt, other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
-def test_logprobs_are_the_model_log_softmax_of_each_sampled_token(llm):
-    prompt = {"prompt_token_ids": random_prompts(1, 12, 12, seed=43)[0]}
-    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, logprobs=3,
-                                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
+def test_sample_logprobs_are_vllm_dicts_equal_to_hf_log_softmax(llm, llama):
+    prompt = random_prompts(1, 12, 12, seed=43)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == 6
-    for token, lp in zip(out.token_ids, out.logprobs):
-        assert lp.token_id == token
-        assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy: the sampled one is the top
-        assert lp.logprob == pytest.approx(lp.top[0][1], abs=1e-6)
-        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
-        assert lp.logprob <= 0.0
-    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
-    assert np.isfinite(out.cumulative_logprob)
+    # Position P + j of prompt + output is output token j, scored by HF's row P + j - 1.
+    check_against_hf(llama, prompt + out.token_ids, [None] * len(prompt) + out.logprobs, 3,
+                     first=len(prompt))
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert next(iter(entry)) == token and entry[token].rank == 1  # greedy: the top one
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)), abs=1e-5)
+
+
+def test_sample_logprobs_carry_each_token_text_as_hf_decodes_it(llm, llama):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(llama)
+    out = llm.generate("Once upon a time", SamplingParams(
+        temperature=1.0, seed=5, max_tokens=8, logprobs=2, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0]
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert list(entry)[0] == token and len(entry) in (2, 3)
+        for tid, lp in entry.items():
+            assert lp.decoded_token == hf.decode([tid])
+        # A sampled token outside the top 2 has no rank here; inside, its place in them.
+        ranks = sorted(lp.rank for tid, lp in entry.items() if tid != token)
+        assert ranks == [r for r in (1, 2) if r != entry[token].rank]

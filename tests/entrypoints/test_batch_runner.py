@@ -146,7 +146,7 @@ def test_messages_rows_go_through_the_chat_template(tmp_path, engine_args, engin
     spec = load_spec(write_spec(tmp_path, engine_args, rows))
     run_batch(spec, engine, progress=False)
     got = {r["id"]: r for r in read_records(spec.output)}
-    expected = engine.tokenizer.apply_chat_template(messages)
+    expected = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert got["chat"]["num_prompt_tokens"] == len(expected)
     assert got["text"]["num_prompt_tokens"] == len(engine.tokenizer.encode("Hello robot"))
     assert len(expected) > got["text"]["num_prompt_tokens"]

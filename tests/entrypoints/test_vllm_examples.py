@@ -13,6 +13,7 @@ import pytest
 from jaxserve import (LLM, AsyncEngineArgs, AsyncLLM, EngineArgs, LLMEngine, RequestOutputKind,
                       SamplingParams)
 from jaxserve.inputs import TextPrompt, TokensPrompt
+from jaxserve.outputs import Logprob
 from jaxserve.vllm_args import accept_vllm_args
 
 # vLLM's example scripts pass these; here they have no effect (one log line each).
@@ -66,6 +67,83 @@ def test_chat(llm: LLM) -> None:  # examples/offline_inference/basic/chat.py
     assert len(outputs) == 1 and outputs[0].outputs[0].finish_reason in ("stop", "length")
 
 
+def test_chat_options_reach_the_template(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    template = ("{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{% endfor %}"
+                "{% if tools %}tools={{ tools | length }};{% endif %}{{ mood }}"
+                "{% if add_generation_prompt %}assistant={% endif %}")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                 {"type": "text", "text": "robot"}]},
+                    {"role": "assistant", "content": "Hello"}]
+    out = llm.chat(conversation, greedy, use_tqdm=False, chat_template=template, tools=tools,
+                   chat_template_kwargs={"mood": "calm;"}, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    assert out.prompt_token_ids == tokenizer.encode("user=Hi robot;assistant=Hello",
+                                                    add_special_tokens=False)
+    again = llm.chat(conversation, greedy, use_tqdm=False, chat_template=template, tools=tools,
+                     chat_template_kwargs={"mood": "calm;"}, add_generation_prompt=False,
+                     continue_final_message=False)[0]
+    assert again.prompt_token_ids == tokenizer.encode(
+        "user=Hi robot;assistant=Hello;tools=1;calm;", add_special_tokens=False)
+    want = llm.generate({"prompt_token_ids": out.prompt_token_ids}, greedy, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(continue_final_message=True), "add_generation_prompt and continue_final_message"),
+    (dict(mm_processor_kwargs={"x": 1}), "mm_processor_kwargs"),
+    (dict(chat_template_content_format="html"), "chat_template_content_format"),
+    (dict(chat_template="no/such/template.jinja"), "chat_template"),
+    (dict(lora_request=object()), "lora_request"),
+    (dict(chat_template_kwargs={"tokenize": False}), "chat_template_kwargs.tokenize"),
+    (dict(chat_template_kwargs=["x"]), "chat_template_kwargs must be a dict")])
+def test_chat_refuses_what_it_cannot_do_naming_the_field(llm: LLM, kwargs: dict[str, Any],
+                                                         field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False, **kwargs)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_and_detokenize_false_gives_no_text(
+        llm: LLM) -> None:
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    greedy = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
+    cut = llm.generate(PROMPTS[1], SamplingParams(truncate_prompt_tokens=3, **greedy),
+                       use_tqdm=False)[0]
+    tail = llm.generate({"prompt_token_ids": ids[-3:]}, SamplingParams(**greedy),
+                        use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-3:] and len(ids) > 3
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    bare = llm.generate({"prompt_token_ids": ids[-3:]}, SamplingParams(
+        detokenize=False, logprobs=1, **greedy), use_tqdm=False)[0].outputs[0]
+    assert bare.token_ids == tail.outputs[0].token_ids and bare.text == ""
+    assert all(lp.decoded_token is None for e in bare.logprobs for lp in e.values())
+
+
+def test_beam_search_gives_vllms_output_and_refuses_what_it_cannot(llm: LLM) -> None:
+    from jaxserve.sampling_params import BeamSearchParams
+
+    outs = llm.beam_search([TextPrompt(prompt=PROMPTS[0]), {"prompt_token_ids": [5, 6, 7]}],
+                           BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
+    assert len(outs) == 2 and all(len(o.sequences) == 2 for o in outs)
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    for seq in outs[0].sequences:
+        assert seq.tokens[:len(ids)] == ids and len(seq.tokens) == len(ids) + 3
+        assert seq.text == llm.get_tokenizer().decode(seq.tokens)
+        assert seq.cum_logprob == pytest.approx(
+            sum(e[t].logprob for t, e in zip(seq.tokens[len(ids):], seq.logprobs)), abs=1e-5)
+    assert outs[0].sequences[0].cum_logprob >= outs[0].sequences[1].cum_logprob
+    with pytest.raises(ValueError, match="beam_width must be <= max_logprobs / 2"):
+        llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=11, max_tokens=2))
+    with pytest.raises(ValueError, match="params must be a BeamSearchParams"):
+        llm.beam_search([PROMPTS[0]], SamplingParams())
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=200))
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_get_metrics_reads_vllm_named_series(llm: LLM) -> None:
     from jaxserve.engine.metrics_reader import Counter, Gauge
 
@@ -106,6 +184,46 @@ def test_llm_engine_from_engine_args_step_loop(engine_args: dict[str, Any],
         finished += [out for out in engine.step() if out.finished]
     want = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
     assert [o.outputs[0].token_ids for o in finished] == [want.token_ids]
+
+
+def test_llm_engine_step_gives_each_request_its_own_output_kind(engine_args: dict[str, Any],
+                                                               llm: LLM) -> None:
+    engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
+    greedy = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, "Once upon a time",
+                           SamplingParams(output_kind=kind, **greedy))
+    seen: dict[str, list] = {kind.name: [] for kind in RequestOutputKind}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    want = llm.generate("Once upon a time", SamplingParams(**greedy),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    cumulative, delta, final = (seen[k] for k in ("CUMULATIVE", "DELTA", "FINAL_ONLY"))
+    assert [o.outputs[0].token_ids for o in cumulative] == [
+        want[:len(o.outputs[0].token_ids)] for o in cumulative]
+    assert len(cumulative) > 1 and cumulative[-1].outputs[0].token_ids == want
+    assert [o.finished for o in cumulative] == [False] * (len(cumulative) - 1) + [True]
+    assert [t for o in delta for t in o.outputs[0].token_ids] == want
+    assert len(delta) == len(cumulative)
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == want
+
+
+def test_logprobs_and_prompt_logprobs_have_vllms_shape(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=1,
+                            ignore_eos=True)
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    comp, tokenizer = out.outputs[0], llm.get_tokenizer()
+    assert out.finished is True and comp.finished() is True  # a field, and vLLM's method
+    assert len(comp.logprobs) == len(comp.token_ids) == 4
+    for token, entry in zip(comp.token_ids, comp.logprobs):
+        assert all(isinstance(lp, Logprob) for lp in entry.values())
+        assert next(iter(entry)) == token and entry[token].rank == 1 and len(entry) == 2
+        assert entry[token].decoded_token == tokenizer.decode([token], skip_special_tokens=False)
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert next(iter(entry)) == token and len(entry) in (1, 2)
 
 
 def test_async_llm_output_kinds(engine_args: dict[str, Any], llm: LLM) -> None:

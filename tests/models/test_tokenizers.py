@@ -222,6 +222,60 @@ def test_hf_tokenizer_matches_transformers(hf_dir: Path) -> None:
     assert ids[:len(without)] == without and len(ids) > len(without)
 
 
+TOOLS = [{"type": "function", "function": {"name": "sea_depth", "parameters": {
+    "type": "object", "properties": {"where": {"type": "string"}}}}}]
+# Uses tools, a chat_template_kwargs variable and the special tokens, as real templates do.
+TOOL_TEMPLATE = ("{{ bos_token }}{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+                 "{% if brief %}[brief]\n{% endif %}{% for m in messages %}"
+                 "{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.mark.parametrize("template", [None, TOOL_TEMPLATE])
+def test_hf_tokenizer_chat_template_options_match_transformers(hf_dir: Path,
+                                                               template: str | None) -> None:
+    from transformers import AutoTokenizer
+
+    ours, theirs = HFTokenizer(hf_dir), AutoTokenizer.from_pretrained(str(hf_dir))
+    open_reply = [*MESSAGES, {"role": "assistant", "content": "The stars are "}]
+    for conversation, options in [
+            (MESSAGES, dict(add_generation_prompt=True, tools=TOOLS, brief=True)),
+            (MESSAGES, dict(add_generation_prompt=False, tools=None, brief=False)),
+            (open_reply, dict(continue_final_message=True, tools=TOOLS))]:
+        want = theirs.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                          **options)
+        assert ours.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                        **options) == want
+        assert ours.apply_chat_template(conversation, chat_template=template, **options) == \
+            theirs.encode(want, add_special_tokens=False)
+    assert ours.apply_chat_template(open_reply, continue_final_message=True,
+                                    tokenize=False).endswith("<|assistant|>\nThe stars are ")
+    with pytest.raises(ValueError, match="add_generation_prompt and continue_final_message"):
+        ours.apply_chat_template(open_reply, add_generation_prompt=True,
+                                 continue_final_message=True)
+
+
+def test_hf_tokenizer_call_vocab_and_specials_match_transformers(hf_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ours, theirs = HFTokenizer(hf_dir), AutoTokenizer.from_pretrained(str(hf_dir))
+    for text in ("Once upon a time", ["a robot", "by the sea", ""]):
+        want = theirs(text)
+        got = ours(text)
+        assert got["input_ids"] == want["input_ids"]
+        assert got["attention_mask"] == want["attention_mask"]
+    assert ours.get_vocab() == theirs.get_vocab() and len(ours) == len(theirs)
+    assert (ours.eos_token_id, ours.bos_token, ours.eos_token) == (
+        theirs.eos_token_id, theirs.bos_token, theirs.eos_token)
+
+
+def test_sentencepiece_vocab_and_a_given_chat_template(tok512: SentencePieceTokenizer) -> None:
+    vocab = tok512.get_vocab()
+    assert vocab[tok512.pieces[300]] == 300 and len(tok512) == tok512.vocab_size
+    text = tok512.apply_chat_template(MESSAGES[:1], chat_template=TOOL_TEMPLATE, tokenize=False)
+    assert text == f"{tok512.bos_token}system: Be brief.{tok512.eos_token}\n"
+
+
 def test_hf_tokenizer_incremental_detokenizer_with_split_utf8(hf_dir: Path) -> None:
     tok = HFTokenizer(hf_dir)
     text = "The robot saw € and 🚀 by the sea."  # neither symbol is in the training text

@@ -52,3 +52,30 @@ def test_echo_logprobs_streaming_is_a_400_naming_echo(served):
     resp = httpx.post(f"{served.url}/v1/completions", json=body, headers=served.headers,
                       timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
+
+
+def test_prompt_logprobs_field_gives_vllms_entries_equal_to_hf(served, hf_checkpoint):
+    from engine_helpers import check_against_hf
+    from jaxserve.outputs import Logprob
+
+    body = dict(model=MODEL_NAME, prompt=PROMPT, prompt_logprobs=3, max_tokens=2,
+                temperature=0.0)
+    with httpx.Client(base_url=f"{served.url}/v1", headers=served.headers, timeout=60) as http:
+        resp = http.post("/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        got = resp.json()["choices"][0]["prompt_logprobs"]
+        entries = [None if e is None else {int(t): Logprob(**v) for t, v in e.items()}
+                   for e in got]
+        check_against_hf(hf_checkpoint("llama"), PROMPT, entries, 3)
+        plain = http.post("/completions", json={**body, "prompt_logprobs": None}).json()
+        assert plain["choices"][0]["prompt_logprobs"] is None  # costs nothing unless asked
+        for bad, param in [({"stream": True}, "prompt_logprobs"),
+                           ({"prompt_logprobs": -1}, "prompt_logprobs"),
+                           ({"prompt_logprobs": 1000}, "prompt_logprobs"),
+                           ({"echo": True, "logprobs": 2}, "prompt_logprobs")]:
+            resp = http.post("/completions", json={**body, **bad})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, bad
+        chat = http.post("/chat/completions", json={
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
+            "prompt_logprobs": 1})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_logprobs"

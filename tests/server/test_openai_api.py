@@ -94,13 +94,17 @@ def test_logprobs_name_the_sampled_tokens(client, offline):
     out = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=6,
                                     temperature=0, logprobs=2, extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
-    assert lp.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+    assert lp.token_logprobs == pytest.approx(
+        [e[t].logprob for t, e in zip(want.token_ids, want.logprobs)], abs=1e-5)
     assert all(max(top.values()) <= lp_ + 1e-5 for top, lp_ in zip(lp.top_logprobs,
                                                                     lp.token_logprobs))
     chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4,
                                           temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    # Greedy: the sampled token is the likeliest; the top two come by rank.
+    assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
+               and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
 
 
 def test_models_health_and_metrics(served, client):

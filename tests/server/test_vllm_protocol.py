@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from jaxserve import SamplingParams
+from jaxserve import RequestOutputKind, SamplingParams
 from jaxserve.core.scheduler_output import EngineCoreOutput
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -155,7 +155,7 @@ def test_delta_outputs_carry_each_samples_finish_once():
              [EngineCoreOutput("1_r", [5])], [EngineCoreOutput("1_r", [6], finish_reason="stop")]]
     seen = []
     for step in steps:
-        outs, _ = proc.process_outputs(step, delta=True)
+        outs, _ = proc.process_outputs(step, RequestOutputKind.DELTA)
         seen.append([(c.index, c.token_ids, c.finish_reason) for c in outs[0].outputs])
     assert seen == [[(0, [3], "length"), (1, [4], None)], [(1, [5], None)],
                     [(1, [6], "stop")]]

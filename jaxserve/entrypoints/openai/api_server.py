@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import ipaddress
+import json
 import logging
 import threading
 import time
@@ -12,8 +13,10 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.engine.async_llm import AsyncLLM
@@ -59,9 +62,10 @@ class APIKeyMiddleware:
 
 def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None = None, *,
               open_metrics: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
+              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+              chat_template: str | None = None) -> FastAPI:
     """With `api_key`, every route but /health and /ping needs it (/metrics too unless
-    `open_metrics`)."""
+    `open_metrics`). `chat_template` replaces the model's for every chat request."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
@@ -72,8 +76,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
     app = FastAPI(title="jaxserve", summary="OpenAI-compatible API over jaxserve")
     metrics = ServerMetrics(llm, served_model_names[0])
     completions = OpenAIServingCompletion(llm, served_model_names, metrics)
-    chat = OpenAIServingChat(llm, served_model_names, metrics)
-    tokenization = OpenAIServingTokenization(llm, served_model_names, metrics)
+    chat = OpenAIServingChat(llm, served_model_names, metrics, chat_template)
+    tokenization = OpenAIServingTokenization(llm, served_model_names, metrics, chat_template)
     install_error_handlers(app)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_body_bytes,
                        read_timeout_s=read_timeout_s)
@@ -136,6 +140,25 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await cancel_on_disconnect(raw, chat.create(req))
 
+    either = {"anyOf": [{"$ref": "#/components/schemas/CompletionRequest"},
+                        {"$ref": "#/components/schemas/ChatCompletionRequest"}]}
+
+    @app.post("/invocations", response_class=Response, openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": either}}}},
+        responses=body_errors | _generation_reply(CompletionResponse | ChatCompletionResponse))
+    async def invocations(raw: Request) -> Response:
+        """vLLM's (SageMaker's) one route: a chat body (with messages) or a completion body."""
+        try:
+            body = json.loads(await raw.body())
+        except ValueError:
+            raise APIError(400, "the body is not valid JSON") from None
+        chat_body = isinstance(body, dict) and "messages" in body
+        try:
+            req = (ChatCompletionRequest if chat_body else CompletionRequest).model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        return await cancel_on_disconnect(raw, (chat if chat_body else completions).create(req))
+
     document_errors_as_answered(app)
     return app
 
@@ -181,14 +204,16 @@ class BackgroundServer:
 def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: int,
                api_key: str | None = None, log_level: str = "info", *,
                open_metrics: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> int:
+               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+               chat_template: str | None = None) -> int:
     """Serve until interrupted (SIGINT/SIGTERM: returns 0) or until the engine dies (returns 1,
     so that a supervisor restarts the process rather than keep one that only answers 503).
     `read_timeout_s` bounds how long a request's headers, and each chunk of its body, may
     take to arrive."""
     warn_if_exposed(host, api_key)
     app = build_app(llm, served_model_names, api_key, open_metrics=open_metrics,
-                    max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s)
+                    max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s,
+                    chat_template=chat_template)
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
         http=timed_h11(read_timeout_s)))

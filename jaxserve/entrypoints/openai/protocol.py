@@ -82,6 +82,7 @@ class SamplingRequest(APIRequest):
     priority: int = 0
     cache_salt: str | None = None
     return_token_ids: bool = False  # choices carry the generated token ids (vLLM's extension)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: all fit)
     request_id: str | None = None  # the response's id is built from it (as vLLM)
 
     # vLLM's fields that jaxserve does not support (see UNSUPPORTED).
@@ -90,7 +91,6 @@ class SamplingRequest(APIRequest):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None
     logits_processors: list[Any] | None = None
@@ -110,7 +110,7 @@ class SamplingRequest(APIRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "use_beam_search": (False,), "length_penalty": (1.0,), "prompt_logprobs": (None,),
         "allowed_token_ids": (None,), "bad_words": (None, []),
-        "truncate_prompt_tokens": (None,), "spaces_between_special_tokens": (True,),
+        "spaces_between_special_tokens": (True,),
         "return_tokens_as_token_ids": (None, False), "logits_processors": (None, []),
         "structural_tag": (None,), "guided_decoding_backend": (None, "guidance"),
         "guided_whitespace_pattern": (None,), "kv_transfer_params": (None,),
@@ -133,7 +133,9 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True
     prompt_embeds: bytes | list[bytes] | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = SamplingRequest.UNSUPPORTED | {
+    # prompt_logprobs is honoured here (not on chat): each choice carries the prompt's.
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        k: v for k, v in SamplingRequest.UNSUPPORTED.items() if k != "prompt_logprobs"} | {
         "suffix": (None, ""), "prompt_embeds": (None,)}
 
 
@@ -172,8 +174,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = SamplingRequest.UNSUPPORTED | {
         "reasoning_effort": (None,),
-        "echo": (False,), "continue_final_message": (False,), "add_special_tokens": (False,),
-        "documents": (None, []), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+        "echo": (False,), "add_special_tokens": (False,),
+        "documents": (None, []), "chat_template": (None,),
         "mm_processor_kwargs": (None, {})}
 
 
@@ -196,8 +198,7 @@ class TokenizeChatRequest(APIRequest):
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         name: ChatCompletionRequest.UNSUPPORTED[name] for name in (
-            "continue_final_message", "add_special_tokens", "chat_template",
-            "chat_template_kwargs", "mm_processor_kwargs")} | {"tools": (None, [])}
+            "add_special_tokens", "chat_template", "mm_processor_kwargs")}
 
 
 class DetokenizeRequest(APIRequest):
@@ -233,10 +234,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class LogprobEntry(BaseModel):
+    """vLLM's Logprob: one token's log-probability, rank (1: the likeliest) and text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    # With prompt_logprobs (vLLM's): per prompt position, token id -> entry; the first is None.
+    prompt_logprobs: list[dict[int, LogprobEntry] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # extension: the stop string or token that ended it
     token_ids: list[int] | None = None  # with return_token_ids (delta when streamed)

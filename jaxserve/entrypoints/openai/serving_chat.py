@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response
 
-from jaxserve.core.scheduler_output import Logprobs
+from jaxserve.engine.logprobs import top_logprobs
 from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                   ChatCompletionRequest, ChatCompletionResponse,
@@ -18,7 +18,7 @@ from jaxserve.entrypoints.openai.serving_common import (DONE, OpenAIServing, SSE
                                                         sse, stream_error, usage)
 from jaxserve.entrypoints.openai.structured import tool_mode
 from jaxserve.entrypoints.openai.tool_calls import parse_tool_calls, tool_call_deltas
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -35,8 +35,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         params = self.sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
-        prompt_ids = await self.render_chat(req.messages, req.add_generation_prompt, req.tools)
-        self.check_length(prompt_ids, "messages", max_tokens)
+        prompt_ids = self.fit(await self.render_chat(req, req.tools), req, "messages",
+                              max_tokens)
         request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         gens = await self.start(request_id, [{"prompt_token_ids": prompt_ids}], params, req)
         model = req.model or self.model_names[0]
@@ -45,16 +45,16 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse((await self._collect(request_id, model, gens[0], params.n,
                                                  req)).model_dump())
 
-    def _logprobs(self, token_ids: list[int], entries: list[Logprobs]) -> ChatLogprobs:
+    def _logprobs(self, comp: CompletionOutput, num_top: int) -> ChatLogprobs:
         def entry(token_id: int, logprob: float) -> TopLogprob:
             text = self.token_text(token_id)
             return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
         content = []
-        for token_id, e in zip(token_ids, entries):
-            head = entry(token_id, e.logprob)
-            content.append(TokenLogprob(**head.model_dump(),
-                                        top_logprobs=[entry(t, v) for t, v in e.top]))
+        for token_id, e in zip(comp.token_ids, comp.logprobs or []):
+            head = entry(token_id, e[token_id].logprob)
+            content.append(TokenLogprob(**head.model_dump(), top_logprobs=[
+                entry(t, v) for t, v in top_logprobs(e, num_top)]))
         return ChatLogprobs(content=content)
 
     async def _stream(self, request_id: str, model: str, gen: AsyncIterator[RequestOutput],
@@ -75,7 +75,7 @@ class OpenAIServingChat(OpenAIServing):
                 choices = []
                 for comp in out.outputs:
                     completion_tokens += len(comp.token_ids)
-                    logprobs = (self._logprobs(comp.token_ids, comp.logprobs)
+                    logprobs = (self._logprobs(comp, req.top_logprobs or 0)
                                 if req.logprobs and comp.logprobs else None)
                     delta, finish = DeltaMessage(content=comp.text or None), comp.finish_reason
                     if mode != "none":
@@ -121,7 +121,7 @@ class OpenAIServingChat(OpenAIServing):
                     token_ids[i].extend(comp.token_ids)
                     if logprobs[i] is not None and comp.logprobs:
                         logprobs[i].content.extend(
-                            self._logprobs(comp.token_ids, comp.logprobs).content)
+                            self._logprobs(comp, req.top_logprobs or 0).content)
                     if comp.finish_reason is not None:
                         reasons[i] = (comp.finish_reason, comp.stop_reason)
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -12,19 +13,24 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxserve.engine.input_processor import truncated
 from jaxserve.entrypoints.openai.errors import APIError, bad_request
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
-from jaxserve.entrypoints.openai.protocol import (APIRequest, ChatMessage, SamplingRequest,
+from jaxserve.entrypoints.openai.protocol import (APIRequest, ChatCompletionRequest,
+                                                  SamplingRequest, TokenizeChatRequest,
                                                   UsageInfo)
 from jaxserve.entrypoints.openai.structured import structured_outputs_of
+from jaxserve.models.chat_template import template_variables, text_content
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                       "frequency_penalty", "repetition_penalty")
 _PASSED_SAMPLING = ("n", "seed", "stop", "min_tokens", "ignore_eos", "stop_token_ids",
-                    "skip_special_tokens", "include_stop_str_in_output")
+                    "skip_special_tokens", "include_stop_str_in_output",
+                    "truncate_prompt_tokens")
 SAMPLING_FIELDS = _OPTIONAL_SAMPLING + _PASSED_SAMPLING + ("max_tokens", "logprobs",
+                                                          "prompt_logprobs",
                                                           "structured_outputs")
 _PROMPT_FIELDS = ("prompt", "prompt_token_ids", "request_id", "cache_salt")
 DONE = "data: [DONE]\n\n"
@@ -46,8 +52,10 @@ class SSEResponse(StreamingResponse):
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_names: list[str], metrics: ServerMetrics):
+    def __init__(self, llm: AsyncLLM, model_names: list[str], metrics: ServerMetrics,
+                 chat_template: str | None = None):
         self.llm = llm
+        self.chat_template = chat_template  # the server's --chat-template, over the model's
         self.model_names = model_names
         self.metrics = metrics
         self.tokenizer = llm.tokenizer
@@ -82,30 +90,47 @@ class OpenAIServing:
         self.check_chars(text, param)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+    async def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest,
                           tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The messages' token ids through the tokenizer's chat template."""
-        if not messages:
+        """The request's messages' token ids through the tokenizer's chat template, with its
+        add_generation_prompt, continue_final_message and chat_template_kwargs."""
+        if not req.messages:
             raise APIError(400, "messages must not be empty", "messages")
         if self.tokenizer is None:
             raise APIError(400, "messages: this model has no tokenizer, so no chat template",
                            "messages")
         conversation: list[dict[str, Any]] = []
-        for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(p.type != "text" or p.text is None for p in content):
-                    raise APIError(400, f"messages.{i}.content: only text parts are supported",
-                                   f"messages.{i}.content", "unsupported")
-                content = "".join(p.text or "" for p in content)
-            conversation.append({"role": m.role, "content": content or ""})
+        for i, m in enumerate(req.messages):
+            content = m.content if not isinstance(m.content, list) else [
+                p.model_dump(exclude_none=True) for p in m.content]
+            try:
+                conversation.append({"role": m.role, "content": text_content(
+                    content, f"messages.{i}.content")})
+            except ValueError as exc:
+                raise APIError(400, str(exc), f"messages.{i}.content", "unsupported") from None
         self.check_chars("".join(m["content"] for m in conversation), "messages")
         try:
-            return await asyncio.to_thread(self.tokenizer.apply_chat_template, conversation,
-                                           add_generation_prompt, tools)
+            variables = template_variables(req.chat_template_kwargs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "chat_template_kwargs") from None
+        try:
+            return await asyncio.to_thread(functools.partial(
+                self.tokenizer.apply_chat_template, conversation, tools,
+                chat_template=self.chat_template,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **variables))
         except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
             raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
                 from None
+
+    def fit(self, token_ids: list[int], req: SamplingRequest, param: str,
+            max_tokens: int | None) -> list[int]:
+        """The prompt as the engine will see it (truncate_prompt_tokens applied), checked to
+        fit the context with `max_tokens`."""
+        token_ids = truncated(token_ids, req.truncate_prompt_tokens, self.max_model_len)
+        self.check_length(token_ids, param, max_tokens)
+        return token_ids
 
     def check_length(self, token_ids: list[int], param: str, max_tokens: int | None) -> None:
         """The prompt and `max_tokens` must fit the context (vLLM answers 400, not a clipped
@@ -123,13 +148,15 @@ class OpenAIServing:
                            "context_length_exceeded")
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        ) -> SamplingParams:
         kwargs: dict[str, Any] = {name: getattr(req, name) for name in _PASSED_SAMPLING}
         kwargs |= {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
                    if getattr(req, name) is not None}
         kwargs["structured_outputs"] = structured_outputs_of(req)
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                                  prompt_logprobs=prompt_logprobs,
                                   output_kind=RequestOutputKind.DELTA, **kwargs)
         except ValueError as exc:
             raise bad_request(exc, fields=SAMPLING_FIELDS) from None

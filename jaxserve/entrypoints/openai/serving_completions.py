@@ -8,13 +8,13 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from jaxserve.core.scheduler_output import Logprobs
 from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
-                                                  CompletionRequest, CompletionResponse)
+                                                  CompletionRequest, CompletionResponse,
+                                                  LogprobEntry)
 from jaxserve.entrypoints.openai.serving_common import (DONE, OpenAIServing, SSEResponse, merge,
                                                         sse, stream_error, usage)
-from jaxserve.outputs import PromptLogprobs, RequestOutput
+from jaxserve.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
 
 
 class _Choice:
@@ -27,6 +27,7 @@ class _Choice:
         self.offset = 0  # of the next token's text, for logprobs.text_offset
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -39,12 +40,17 @@ class OpenAIServingCompletion(OpenAIServing):
         if scores_prompt and req.stream:
             raise APIError(400, "echo with logprobs is not supported when streaming", "echo",
                            "unsupported")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs is not supported when streaming",
+                           "prompt_logprobs", "unsupported")
+        if scores_prompt and req.prompt_logprobs not in (None, req.logprobs):
+            raise APIError(400, f"prompt_logprobs must equal logprobs ({req.logprobs}) with "
+                           f"echo, got {req.prompt_logprobs}", "prompt_logprobs")
         # echo with max_tokens=0 (an evaluation harness's log-likelihood request): the prompt
         # alone; the engine samples one token, which is not returned.
         prompt_only = req.echo and req.max_tokens == 0
-        params = self.sampling_params(req, 1 if prompt_only else req.max_tokens, req.logprobs)
-        if scores_prompt:
-            params.prompt_logprobs = req.logprobs
+        params = self.sampling_params(req, 1 if prompt_only else req.max_tokens, req.logprobs,
+                                      req.logprobs if scores_prompt else req.prompt_logprobs)
         prompts = await self._prompts(req)
         request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         gens = await self.start(request_id, prompts, params, req)
@@ -72,11 +78,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     raise APIError(400, "prompt: this model has no tokenizer; send token ids",
                                    "prompt")
                 ids = await self.encode(item, "prompt", req.add_special_tokens)
-                prompts.append({"prompt": item, "prompt_token_ids": ids})
+                prompts.append({"prompt": item, "prompt_token_ids": self.fit(
+                    ids, req, "prompt", req.max_tokens)})
             else:
-                ids = list(item)
-                prompts.append({"prompt_token_ids": ids})
-            self.check_length(ids, "prompt", req.max_tokens)
+                prompts.append({"prompt_token_ids": self.fit(list(item), req, "prompt",
+                                                             req.max_tokens)})
         return prompts
 
     def _prompt_text(self, prompt: dict[str, Any]) -> str:
@@ -84,15 +90,14 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt["prompt"]
         return "" if self.tokenizer is None else self.tokenizer.decode(prompt["prompt_token_ids"])
 
-    def _logprobs(self, token_ids: list[int], entries: list[Logprobs], offset: int,
+    def _logprobs(self, token_ids: list[int], entries: SampleLogprobs, offset: int,
                   ) -> tuple[CompletionLogprobs, int]:
         lp = CompletionLogprobs()
         for token_id, entry in zip(token_ids, entries):
             text = self.token_text(token_id)
-            top = {self.token_text(t): v for t, v in entry.top}
-            top.setdefault(text, entry.logprob)
+            top = {self.token_text(t): v.logprob for t, v in entry.items()}
             lp.tokens.append(text)
-            lp.token_logprobs.append(entry.logprob)
+            lp.token_logprobs.append(entry[token_id].logprob)
             lp.top_logprobs.append(top)
             lp.text_offset.append(offset)
             offset += len(text)
@@ -170,6 +175,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_tokens += len(out.prompt_token_ids)
                 for comp in out.outputs:
                     choice = choices[i * n + comp.index]
+                    if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                        choice.prompt_logprobs = out.prompt_logprobs
                     if out.prompt_logprobs is not None and choice.logprobs is not None \
                             and not choice.logprobs.tokens:
                         choice.offset = self._prompt_logprobs(
@@ -194,6 +201,16 @@ class OpenAIServingCompletion(OpenAIServing):
             id=request_id, model=model,
             choices=[CompletionChoice(index=k, text=c.text, logprobs=c.logprobs,
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                      token_ids=c.token_ids if req.return_token_ids else None)
+                                      token_ids=c.token_ids if req.return_token_ids else None,
+                                      prompt_logprobs=_entries(c.prompt_logprobs))
                      for k, c in sorted(choices.items())],
             usage=usage(prompt_tokens, sum(len(c.token_ids) for c in choices.values())))
+
+
+def _entries(prompt_logprobs: PromptLogprobs | None,
+             ) -> list[dict[int, LogprobEntry] | None] | None:
+    if prompt_logprobs is None:
+        return None
+    return [None if e is None else {t: LogprobEntry(logprob=lp.logprob, rank=lp.rank,
+                                                    decoded_token=lp.decoded_token)
+                                    for t, lp in e.items()} for e in prompt_logprobs]

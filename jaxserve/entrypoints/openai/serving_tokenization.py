@@ -16,7 +16,7 @@ class OpenAIServingTokenization(OpenAIServing):
                        ) -> TokenizeResponse:
         self.check_request(req)
         if isinstance(req, TokenizeChatRequest):
-            ids = await self.render_chat(req.messages, req.add_generation_prompt)
+            ids = await self.render_chat(req, req.tools)
         else:
             if self.tokenizer is None:
                 raise APIError(400, "prompt: this model has no tokenizer", "prompt")
