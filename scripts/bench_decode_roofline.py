@@ -8,7 +8,7 @@ read) over arrays far larger than the caches. Compute: 2 FLOPs per weight per to
 attention's 4 x heads x head_dim x context per layer and token, at the GFLOP/s of a large jitted
 float32 matmul.
 
-    python scripts/bench_decode_roofline.py [--batches 1,8,32] [--contexts 128,512]
+    python scripts/bench_decode_roofline.py [--batches 1,8,32,64] [--contexts 128,512]
 """
 
 from __future__ import annotations
@@ -63,15 +63,17 @@ def measure_matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--contexts", default="128,512")
     p.add_argument("--steps", type=int, default=8)
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
 
+    blocks_per_seq = -(-(max(contexts) + 2 * args.steps + 16) // 16)
     engine = make_engine(DUMMY_CONFIG_DIR, load_format="dummy", dtype="float32",
-                         max_model_len=1024, block_size=16, num_kv_blocks=1200,
+                         max_model_len=1024, block_size=16,
+                         num_kv_blocks=max(batches) * blocks_per_seq + 1,
                          max_num_seqs=max(batches), max_num_batched_tokens=512,
                          token_buckets=sorted({*batches, 512}), request_buckets=batches,
                          enable_prefix_caching=False, precompile=True)

@@ -9,6 +9,12 @@ machine, 2 OpenMP threads can be 5-10x slower than 1. Start-up work is excluded 
 jaxserve precompiles, HF warms up.
 
     python scripts/bench_throughput_vs_hf.py [--models dummy-30m,stories260k]
+    python scripts/bench_throughput_vs_hf.py --suite large-batch   # concurrency 64, HF B=32/64
+
+Suites: `default` (mixed and decode-heavy at a per-model concurrency of 8 or 16) and
+`large-batch` (concurrency 64, HF's static batches of 32 and 64, four workloads: mixed prompts
+with 128 outputs, a shared 448-token prefix, decode-heavy, and prompts and outputs both varied),
+written to results/bench_throughput_vs_hf_large_batch.md.
 """
 
 from __future__ import annotations
@@ -28,13 +34,23 @@ from bench_common import (Workload, dummy_hf_checkpoint, find_stories, make_engi
 ENGINE_ARGS = dict(load_format="hf", dtype="float32", max_model_len=512, block_size=16,
                    num_kv_blocks=1024, max_num_batched_tokens=512,
                    token_buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512], precompile=True)
-# Per model: requests per workload, concurrency, HF batch sizes; sized so that the dummy model
-# (~100x the compute of stories260K per token) also finishes in a few minutes.
+# Per suite and model: requests per workload, concurrency, HF batch sizes; the default suite is
+# sized so that the dummy model (~100x the compute of stories260K per token) also finishes in a
+# few minutes.
 MODEL_DEFAULTS = {
-    "dummy-30m": dict(mixed_requests=16, decode_requests=8, max_num_seqs=8, hf_batch_sizes=[4, 8]),
-    "stories260k": dict(mixed_requests=48, decode_requests=32, max_num_seqs=16,
-                        hf_batch_sizes=[4, 8, 16]),
+    "default": {
+        "dummy-30m": dict(mixed_requests=16, decode_requests=8, max_num_seqs=8,
+                          hf_batch_sizes=[4, 8]),
+        "stories260k": dict(mixed_requests=48, decode_requests=32, max_num_seqs=16,
+                            hf_batch_sizes=[4, 8, 16]),
+    },
+    "large-batch": {
+        name: dict(mixed_requests=64, decode_requests=32, max_num_seqs=64, hf_batch_sizes=[32, 64])
+        for name in ("dummy-30m", "stories260k")},
 }
+# 64 sequences of up to 512 tokens fit without preemption.
+SUITE_ENGINE_ARGS = {"default": {}, "large-batch": {"num_kv_blocks": 2048}}
+SHARED_PREFIX_LEN = 448
 
 
 @dataclass
@@ -50,9 +66,20 @@ class HFResult:
 
 
 def workloads(args: argparse.Namespace, vocab: int, seed: int) -> list[Workload]:
-    return [make_workload("mixed", args.mixed_requests, (16, 256), (16, 256), vocab, seed),
+    if args.suite == "default":
+        return [make_workload("mixed", args.mixed_requests, (16, 256), (16, 256), vocab, seed),
+                make_workload("decode-heavy", args.decode_requests, (32, 32), (256, 256), vocab,
+                              seed + 1)]
+    shared = make_workload("shared-prefix", args.decode_requests, (32, 32), (16, 16), vocab,
+                           seed + 2)
+    prefix = make_workload("prefix", 1, (SHARED_PREFIX_LEN, SHARED_PREFIX_LEN), (1, 1), vocab,
+                           seed + 3).prompts[0]
+    shared.prompts = [prefix + p for p in shared.prompts]
+    return [make_workload("mixed", args.mixed_requests, (16, 256), (128, 128), vocab, seed),
+            shared,
             make_workload("decode-heavy", args.decode_requests, (32, 32), (256, 256), vocab,
-                          seed + 1)]
+                          seed + 1),
+            make_workload("varied", args.mixed_requests, (16, 256), (16, 224), vocab, seed + 4)]
 
 
 def pick_torch_threads(model: Any, batch_size: int, vocab: int) -> int:
@@ -124,7 +151,8 @@ def bench_model(name: str, hf_dir: Path, cli: argparse.Namespace) -> tuple[list,
     import torch
     import transformers
 
-    args = argparse.Namespace(**{**vars(cli), **{k: v for k, v in MODEL_DEFAULTS[name].items()
+    defaults = MODEL_DEFAULTS[cli.suite][name]
+    args = argparse.Namespace(**{**vars(cli), **{k: v for k, v in defaults.items()
                                                  if getattr(cli, k) is None}})
 
     transformers.utils.logging.set_verbosity_error()
@@ -135,7 +163,7 @@ def bench_model(name: str, hf_dir: Path, cli: argparse.Namespace) -> tuple[list,
     seqs = args.max_num_seqs
     engine = make_engine(hf_dir, max_num_seqs=seqs,
                          request_buckets=sorted({min(b, seqs) for b in (1, 2, 4, 8, 16, 32, 64)}),
-                         **ENGINE_ARGS)
+                         **{**ENGINE_ARGS, **SUITE_ENGINE_ARGS[args.suite]})
     warm = make_workload("warm-up", 4, (16, 64), (4, 8), vocab, seed=99)
     run_engine(engine, warm, prefix="warm")
     threads = pick_torch_threads(hf, seqs, vocab)
@@ -187,7 +215,10 @@ def bench_model(name: str, hf_dir: Path, cli: argparse.Namespace) -> tuple[list,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="dummy-30m,stories260k")
-    p.add_argument("--workloads", default="mixed,decode-heavy")
+    p.add_argument("--suite", choices=list(MODEL_DEFAULTS), default="default")
+    p.add_argument("--workloads", default=None,
+                   help="default: all of the suite's (mixed,decode-heavy; large-batch adds "
+                        "shared-prefix,varied)")
     p.add_argument("--mixed-requests", type=int, default=None, help="default: per model")
     p.add_argument("--decode-requests", type=int, default=None, help="default: per model")
     p.add_argument("--max-num-seqs", type=int, default=None,
@@ -201,7 +232,7 @@ def main() -> None:
     args = p.parse_args()
     if args.hf_batch_sizes is not None:
         args.hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
-    args.workloads = args.workloads.split(",")
+    args.workloads = (args.workloads or "mixed,shared-prefix,decode-heavy,varied").split(",")
     summary, detail = [], []
     for name in args.models.split(","):
         if name == "dummy-30m":
@@ -217,10 +248,17 @@ def main() -> None:
         s, d = bench_model(name, hf_dir, args)
         summary += s
         detail += d
+    described = {
+        "default": "mixed: prompts and outputs uniform in 16-256 tokens; decode-heavy: 32-token "
+                   "prompts, 256 output tokens.",
+        "large-batch": "mixed: prompts uniform in 16-256 tokens, 128 output tokens each; "
+                       f"shared-prefix: a common {SHARED_PREFIX_LEN}-token prefix and 32 tokens "
+                       "of each prompt's own, 16 output tokens; decode-heavy: 32-token prompts, "
+                       "256 output tokens; varied: prompts in 16-256, outputs in 16-224 tokens.",
+    }[args.suite]
     body = ("Both engines get the same concurrency (column): jaxserve's max_num_seqs, HF's "
             "largest static batch and its continuous batching's max_requests_per_batch. Greedy, "
-            "EOS ignored; mixed: prompts and outputs uniform in 16-256 tokens; decode-heavy: "
-            "32-token prompts, 256 output tokens. Every engine runs each workload "
+            f"EOS ignored; {described} Every engine runs each workload "
             f"{args.repeats} times on fresh seeded prompts, engines alternating; tok/s are "
             "medians. Ratio = jaxserve / best HF. Same greedy tokens: requests whose jaxserve "
             "output equals every HF run's.\n\n"
@@ -231,7 +269,9 @@ def main() -> None:
             + "\n\nEvery run, side by side (seconds exclude start-up/warm-up):\n\n"
             + markdown_table(["model", "workload", "engine", "seconds per repeat",
                               "median output tok/s"], detail))
-    write_result("bench_throughput_vs_hf", "Throughput against HF transformers", body)
+    suffix = "" if args.suite == "default" else "_" + args.suite.replace("-", "_")
+    write_result("bench_throughput_vs_hf" + suffix, "Throughput against HF transformers"
+                 + ("" if args.suite == "default" else f" ({args.suite})"), body)
 
 
 if __name__ == "__main__":
