@@ -65,6 +65,7 @@ class Logprobs:
     """Log-probabilities of one sampled position: the sampled token and the top-n."""
     token_id: int
     logprob: float
+    rank: int  # 1 + the number of tokens likelier than the sampled one
     top: list[tuple[int, float]]
 
 

@@ -32,11 +32,8 @@ def prompt_logprobs_of(core: CorePromptLogprobs, prompt_token_ids: list[int], nu
 
 
 def sample_logprobs(core: Logprobs, tokenizer: Tokenizer | None) -> dict[int, Logprob]:
-    """One sampled position. The sampler returns no rank for the sampled token, so it has its
-    place in the top-k when it is there, else None (more than k tokens are likelier)."""
-    top_ids = [t for t, _ in core.top]
-    rank = top_ids.index(core.token_id) + 1 if core.token_id in top_ids else None
-    return position_logprobs(core.token_id, core.logprob, rank, core.top, tokenizer)
+    """One sampled position: the sampled token with its rank in the vocabulary, then the top-k."""
+    return position_logprobs(core.token_id, core.logprob, core.rank, core.top, tokenizer)
 
 
 def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, float]]:

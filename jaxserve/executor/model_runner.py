@@ -360,10 +360,10 @@ class ModelRunner:
     @staticmethod
     def _logprobs(out: SamplerOutput, rows: list[RowSpec]) -> list[Logprobs | None]:
         n = len(rows)
-        sampled, lp = to_host(out.sampled)[:n], to_host(out.logprob)[:n]
+        sampled, lp, rank = (to_host(a)[:n] for a in (out.sampled, out.logprob, out.rank))
         ids, lps = to_host(out.topk_ids)[:n], to_host(out.topk_logprobs)[:n]
         return [None if row.params.logprobs is None else Logprobs(
-                    int(sampled[i]), float(lp[i]),
+                    int(sampled[i]), float(lp[i]), int(rank[i]),
                     list(zip(ids[i, :row.params.logprobs].tolist(),
                              lps[i, :row.params.logprobs].tolist())))
                 for i, row in enumerate(rows)]

@@ -54,12 +54,13 @@ class SamplingMetadata:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["sampled", "logprob", "topk_ids", "topk_logprobs"],
+                   data_fields=["sampled", "logprob", "rank", "topk_ids", "topk_logprobs"],
                    meta_fields=[])
 @dataclass(frozen=True)
 class SamplerOutput:
     sampled: jax.Array        # i32[R]
     logprob: jax.Array        # f32[R]               raw logprob of the sampled token
+    rank: jax.Array           # i32[R]  1 + tokens likelier than it; 0 when num_logprobs is 0
     topk_ids: jax.Array       # i32[R, num_logprobs]
     topk_logprobs: jax.Array  # f32[R, num_logprobs]
 
@@ -197,14 +198,17 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     if not md.all_greedy:
         sampled = jnp.where(md.temperature == 0, sampled, _sample_random(processed, md))
 
-    logprob = jnp.take_along_axis(logits, sampled[:, None], axis=-1)[:, 0] - log_norm
+    sampled_logit = jnp.take_along_axis(logits, sampled[:, None], axis=-1)  # f32[R, 1]
     if md.num_logprobs > 0:
+        rank = 1 + jnp.sum(logits > sampled_logit, axis=-1).astype(jnp.int32)
         top_values, topk_ids = jax.lax.top_k(logits, md.num_logprobs)
         topk_logprobs = top_values - log_norm[:, None]
     else:
+        rank = jnp.zeros((num_rows,), jnp.int32)
         topk_ids = jnp.zeros((num_rows, 0), jnp.int32)
         topk_logprobs = jnp.zeros((num_rows, 0), jnp.float32)
-    return SamplerOutput(sampled, logprob, topk_ids.astype(jnp.int32), topk_logprobs)
+    return SamplerOutput(sampled, sampled_logit[:, 0] - log_norm, rank,
+                         topk_ids.astype(jnp.int32), topk_logprobs)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -309,7 +313,8 @@ def make_sampling_metadata(rows: Sequence[RowSpec | None], num_rows_padded: int,
             stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
             if stop_ids:
                 blocked.append((i, stop_ids))
-        max_logprobs = max(max_logprobs, p.logprobs or 0)
+        if p.logprobs is not None:  # logprobs=0 too: the sampled token's rank comes with top-k
+            max_logprobs = max(max_logprobs, p.logprobs, 1)
 
     if num_logprobs is None:
         num_logprobs = max_logprobs

@@ -55,6 +55,19 @@ def test_sample_logprobs_carry_each_token_text_as_hf_decodes_it(llm, llama):
         assert list(entry)[0] == token and len(entry) in (2, 3)
         for tid, lp in entry.items():
             assert lp.decoded_token == hf.decode([tid])
-        # A sampled token outside the top 2 has no rank here; inside, its place in them.
-        ranks = sorted(lp.rank for tid, lp in entry.items() if tid != token)
-        assert ranks == [r for r in (1, 2) if r != entry[token].rank]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_sampled_token_outside_the_top_k_has_its_rank_in_the_vocabulary(llm, llama, k):
+    """Sampled at temperature 2 from random weights, most tokens are not the likeliest: their
+    rank is still HF's (1 + the tokens likelier), with logprobs=0 (only the sampled token) too."""
+    prompt = random_prompts(1, 10, 10, seed=44)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=2.0, seed=3, max_tokens=12, logprobs=k, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0]
+    # The sampled token first, then the top k (it is one of them when its rank is <= k).
+    assert all(list(entry)[0] == token and len(entry) == k + (entry[token].rank > k)
+               for token, entry in zip(out.token_ids, out.logprobs))
+    assert sum(e[t].rank > k for t, e in zip(out.token_ids, out.logprobs)) >= 3
+    check_against_hf(llama, prompt + out.token_ids, [None] * len(prompt) + out.logprobs, k,
+                     first=len(prompt))
