@@ -92,11 +92,13 @@ class LLM:
                 conversation = [{**m, "content": text_content(
                     m.get("content"), f"messages[{c}][{i}].content")}
                     for i, m in enumerate(conversation)]
-            prompts.append({"prompt_token_ids": tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 conversation, tools, chat_template=template,
                 add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **variables)})
+                continue_final_message=continue_final_message, tokenize=False, **variables)
+            # The template writes the BOS itself; the output reports the rendered text.
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams,

@@ -65,6 +65,13 @@ def test_chat(llm: LLM) -> None:  # examples/offline_inference/basic/chat.py
     outputs = llm.chat(conversation, SamplingParams(temperature=0.5, max_tokens=5),
                        use_tqdm=False)
     assert len(outputs) == 1 and outputs[0].outputs[0].finish_reason in ("stop", "length")
+    # As vLLM's: the output carries the rendered prompt, and the ids are that text's.
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                         tokenize=False)
+    assert outputs[0].prompt == text and "Hello" in text
+    assert outputs[0].prompt_token_ids == tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True)
 
 
 def test_chat_options_reach_the_template(llm: LLM) -> None:
