@@ -41,7 +41,8 @@ from jaxserve.executor.prompt_logprobs import (PromptLogprobsPlan, finished_prom
                                                plan_prompt_logprobs, record_prompt_logprobs)
 from jaxserve.layers.axes import AXIS
 from jaxserve.layers.sampler import (RowSpec, SamplerOutput, SamplingMetadata, TokenLogprobs,
-                                     make_sampling_metadata, sample, token_logprobs)
+                                     logprobs_width, make_sampling_metadata, sample,
+                                     token_logprobs)
 from jaxserve.models.llama import Llama
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def warm_up_programs(token_buckets: list[int], request_buckets: list[int],
     sampler for every request bucket: greedy and sampled, without and with logprobs, without
     and (given `vocab_size`) with a grammar bitmask. Penalties compile the sampler (only) for
     each new history width on first use."""
-    logprobs_widths = sorted({0, max_logprobs})
+    logprobs_widths = [0, logprobs_width(max_logprobs)]
     mask_widths = sorted({0, mask_words(vocab_size)})
     sampler_done: set[int] = set()
     out = []
@@ -257,11 +258,12 @@ class ModelRunner:
             arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets,
                                         self.running_rows)
             rows = self.batch.rows(arrays.req_ids)
-            # One logprobs width (max_logprobs) for every step that wants any: one shape.
+            # One logprobs width for every step that wants any: one shape.
             wants_logprobs = any(row.params.logprobs is not None for row in rows)
             sampling = make_sampling_metadata(
                 rows, len(arrays.seq_lens), eos_token_ids=self.eos_token_ids,
-                num_logprobs=self.config.model.max_logprobs if wants_logprobs else 0,
+                num_logprobs=(logprobs_width(self.config.model.max_logprobs)
+                              if wants_logprobs else 0),
                 token_bitmask=step_bitmask(sched, arrays.req_ids, len(arrays.seq_lens)))
             prompt_plan = plan_prompt_logprobs(
                 arrays, [self.batch.requests[r] for r in arrays.req_ids],

@@ -50,7 +50,7 @@ class SamplingMetadata:
     # ones); W = ceil(V / 32), or 0 when no row of the step is constrained
     token_bitmask: jax.Array
     all_greedy: bool               # static: argmax only, no filters, no noise
-    num_logprobs: int              # static: top-n logprobs returned for every row (0 = none)
+    num_logprobs: int              # static: top-n logprobs of every row; 0: no row wants any
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -261,6 +261,12 @@ def _pad_rows(entries: list[tuple[int, Sequence[int] | np.ndarray]], num_rows: i
     return out
 
 
+def logprobs_width(max_logprobs: int) -> int:
+    """`num_logprobs` of a step where some row wants logprobs: at least 1, since the width is
+    also the switch for the sampled token's rank, which a logprobs=0 row wants too."""
+    return max(max_logprobs, 1)
+
+
 def make_sampling_metadata(rows: Sequence[RowSpec | None], num_rows_padded: int, *,
                            eos_token_ids: Sequence[int] = (),
                            num_logprobs: int | None = None,
@@ -313,8 +319,8 @@ def make_sampling_metadata(rows: Sequence[RowSpec | None], num_rows_padded: int,
             stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
             if stop_ids:
                 blocked.append((i, stop_ids))
-        if p.logprobs is not None:  # logprobs=0 too: the sampled token's rank comes with top-k
-            max_logprobs = max(max_logprobs, p.logprobs, 1)
+        if p.logprobs is not None:
+            max_logprobs = max(max_logprobs, logprobs_width(p.logprobs))
 
     if num_logprobs is None:
         num_logprobs = max_logprobs

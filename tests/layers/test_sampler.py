@@ -1,3 +1,4 @@
+import dataclasses
 import re
 
 import jax
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxserve.layers.sampler import (RowSpec, SamplingMetadata, apply_penalties,
-                                     filter_threshold, make_sampling_metadata, sample)
+                                     filter_threshold, logprobs_width,
+                                     make_sampling_metadata, sample)
 from jaxserve.sampling_params import SamplingParams
 
 _sample = jax.jit(sample)
@@ -340,6 +342,19 @@ def test_builder_rejects_bad_input() -> None:
         make_sampling_metadata([row], 1, num_logprobs=2)
     assert make_sampling_metadata([row], 1).num_logprobs == 4
     assert make_sampling_metadata([row], 1, num_logprobs=8).num_logprobs == 8
+
+
+def test_a_logprobs_0_row_gets_the_sampled_tokens_rank_even_with_max_logprobs_0() -> None:
+    """logprobs=0 asks for the sampled token's logprob and rank only; an engine whose
+    max_logprobs is 0 still steps at the width that computes the rank."""
+    row = RowSpec(SamplingParams(temperature=0.0, logprobs=0), 0, [])
+    md = make_sampling_metadata([row, None], 2, num_logprobs=logprobs_width(0))
+    assert md.num_logprobs == 1 and make_sampling_metadata([row], 1).num_logprobs == 1
+    logits = np.array([[0.5, 3.0, 1.0, 2.0], [1.0, 0.0, 0.0, 0.0]], np.float32)
+    # A greedy row samples its argmax, rank 1; force another token by masking it out.
+    md = dataclasses.replace(md, blocked_token_ids=np.array([[1], [-1]], np.int32))
+    out = _sample(jnp.asarray(logits), md)
+    assert int(out.sampled[0]) == 3 and int(out.rank[0]) == 2  # only logit 3.0 is above 2.0
 
 
 def test_token_bitmask_allows_exactly_its_set_bits_before_sampling() -> None:
