@@ -12,6 +12,7 @@ import yaml
 
 from jaxserve.default_model import default_model_path
 from jaxserve.disaggregation_config import DisaggregationConfig, normalize_disaggregation
+from jaxserve.speculative_config import SpeculativeConfig, normalize_speculative
 from jaxserve.vllm_args import accept_vllm_args
 
 # Where a checkpoint's weights come from (models/loader.py dispatches on it).
@@ -55,6 +56,9 @@ class SchedulerConfig:
     # Schedule and launch step N+1 while step N runs; its decode inputs come from N's sampled
     # ids on the device. Tokens are the same either way (docs in jaxserve/engine/core.py).
     async_scheduling: bool = True
+    # Speculative decoding (vLLM's): a mapping or JSON text, validated into a
+    # SpeculativeConfig. Steps with drafts wait for the step before them (no async).
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
 
 @dataclass
@@ -166,6 +170,9 @@ class EngineConfig:
                              f"(integers >= 0), got {p.devices!r}")
         if p.disaggregation is not None:
             p.disaggregation = normalize_disaggregation(p.disaggregation, self)
+        s.speculative_config = normalize_speculative(s.speculative_config)
+        if s.speculative_config is not None and p.disaggregation is not None:
+            raise ValueError("speculative_config: not supported with disaggregation yet")
         for name in ("token_buckets", "request_buckets"):
             buckets = getattr(r, name)
             if buckets is not None and (not buckets or any(

@@ -6,6 +6,11 @@ prefill chunks and decodes share a step. `max_num_partial_prefills` (> 0) caps h
 get prefill tokens in one step (running ones first, in order, then admissions); decodes are never
 capped. Preemption is by recompute: the victim's blocks are freed and it goes back to the front
 of the waiting queue (its prefix usually comes back from the cache).
+
+Speculative decoding: a decoding request also gets its drafts as inputs after its last token
+(n-gram drafts from its own tokens, or -1 slots the step fills on the device), verified in the
+same step; `update_from_output` takes back the computed tokens of rejected drafts, whose KV is
+simply overwritten later.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from dataclasses import dataclass
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.ngram_proposer import propose_ngram
 from jaxserve.core.request import KVTransfer, Request, RequestStatus
 from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput, KVLoad, Logprobs,
                                             ModelRunnerOutput, NewRequestData, PromptLogprobs,
-                                            SchedulerOutput)
+                                            SchedulerOutput, SpecDecodingStats)
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.core.structured_output import grammar_bitmask
 
@@ -33,6 +39,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_steps: int
+    spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
 
 
 class Scheduler:
@@ -66,6 +73,8 @@ class Scheduler:
         # Structured outputs: requests failed before they ran (their grammar did not compile),
         # reported by the next update; the mask work is timed as its own phase.
         self._failed: list[EngineCoreOutput] = []
+        self.spec = config.speculative_config
+        self.spec_stats = SpecDecodingStats() if self.spec is not None else None
         self.timings = StepTimings()
 
     # ---- requests in and out -------------------------------------------------------------
@@ -119,13 +128,16 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: set[str] = set()
         prefills: set[str] = set()  # requests given prefill tokens this step
+        drafts: dict[str, list[int]] = {}
 
-        budget = self._schedule_running(budget, num_scheduled, cached, preempted, prefills)
+        budget = self._schedule_running(budget, num_scheduled, cached, preempted, prefills,
+                                        drafts)
         if self._phase == "prefill" and not num_scheduled and not preempted \
                 and not self._can_admit():
             # V0-style steps: no prefill can run (no seat or blocks), so run the decodes.
             self._phase = "decode"
-            budget = self._schedule_running(budget, num_scheduled, cached, preempted, prefills)
+            budget = self._schedule_running(budget, num_scheduled, cached, preempted, prefills,
+                                            drafts)
 
         if not preempted and self._phase != "decode":
             budget = self._admit_waiting(budget, num_scheduled, new_reqs, prefills)
@@ -135,7 +147,8 @@ class Scheduler:
             num_new = num_scheduled.get(request.request_id, 0)
             request.num_computed_tokens += num_new
             if num_new and request.num_computed_tokens == (
-                    request.num_tokens + request.num_output_placeholders):
+                    request.num_tokens + request.num_output_placeholders
+                    + len(drafts.get(request.request_id, ()))):
                 request.num_output_placeholders += 1
                 sampling.add(request.request_id)
         constrained = [r for r in self.running
@@ -151,14 +164,14 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted,
             sampling_req_ids=sampling, step=self.num_steps, kv_loads=self._loads,
             structured_output_req_ids=[r.request_id for r in constrained],
-            grammar_bitmask=bitmask)
+            grammar_bitmask=bitmask, scheduled_spec_decode_tokens=drafts)
         self.finished_req_ids, self._loads = set(), []
         self.num_steps += 1
         return out
 
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
                           cached: CachedRequestData, preempted: set[str],
-                          prefills: set[str]) -> int:
+                          prefills: set[str], drafts: dict[str, list[int]]) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -169,6 +182,8 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            spec = [] if prefilling else self._drafts(request, budget - num_new)
+            num_new += len(spec)
             while (block_ids := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # priority policy: an earlier one
@@ -176,6 +191,7 @@ class Scheduler:
                     if victim.request_id in num_scheduled:  # already scheduled: refund
                         budget += num_scheduled.pop(victim.request_id)
                         prefills.discard(victim.request_id)
+                        drafts.pop(victim.request_id, None)
                         j = cached.req_ids.index(victim.request_id)
                         del (cached.req_ids[j], cached.new_block_ids[j],
                              cached.num_computed_tokens[j])
@@ -191,9 +207,30 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             if prefilling:
                 prefills.add(request.request_id)
+            if spec:
+                drafts[request.request_id] = spec
             budget -= num_new
             i += 1
         return budget
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """A decoding request's drafts for this step: none when speculation is off (or off at
+        this batch size), for a request whose tokens need its host history (penalties, a
+        grammar), or past max_tokens, max_model_len or the budget."""
+        spec = self.spec
+        if spec is None or request.num_output_placeholders \
+                or request.sampling_params.needs_host_history \
+                or 0 < spec.disable_by_batch_size <= len(self.running):
+            return []
+        k = min(spec.num_speculative_tokens, budget,
+                request.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens)
+        if k <= 0:
+            return []
+        if spec.method == "ngram":
+            return propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min,
+                                 spec.prompt_lookup_max)
+        return [-1] * k  # proposed on the device by the step itself
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new_reqs: list[NewRequestData], prefills: set[str]) -> int:
@@ -372,8 +409,9 @@ class Scheduler:
             return None
         request.num_cached_tokens = output.num_cached_tokens
         logprobs = output.new_logprobs[0] if output.new_logprobs else None
-        return self._append_token(request, output.new_token_ids[0], logprobs,
-                                  output.prompt_logprobs)
+        return self._append_tokens(request, output.new_token_ids[:1],
+                                   None if logprobs is None else [logprobs],
+                                   output.prompt_logprobs)
 
     def release_sent(self, request_id: str) -> None:
         """Prefill side: free a finished request's blocks once read (or no longer wanted); they
@@ -390,29 +428,42 @@ class Scheduler:
         if self._unsettled:
             self._unsettled = {r: n for r, n in self._unsettled.items() if n > self._num_updated}
         logprobs = result.logprobs or [None] * len(result.req_ids)
-        for req_id, token, lp in zip(result.req_ids, result.sampled_token_ids, logprobs):
+        for req_id, tokens, lp in zip(result.req_ids, result.sampled_token_ids, logprobs):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            drafted = len(sched.scheduled_spec_decode_tokens.get(req_id, ()))
+            if drafted:
+                # The KV of rejected drafts is not the sequence's: computed up to the last
+                # accepted token (the sampled one after it is the next input).
+                request.num_computed_tokens -= drafted - (len(tokens) - 1)
+                self.spec_stats.record(drafted, len(tokens) - 1)
             # Every step that writes this KV has been launched (with async scheduling, the next
             # one too), so its full blocks of known tokens may now be hit by others.
             self.kv.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             if req_id not in sched.sampling_req_ids:
                 continue  # a prefill chunk: its sampled token is not real
             request.num_output_placeholders -= 1
-            outputs.append(self._append_token(request, token, lp,
-                                              result.prompt_logprobs.get(req_id)))
+            outputs.append(self._append_tokens(request, tokens, lp,
+                                               result.prompt_logprobs.get(req_id)))
         return outputs
 
-    def _append_token(self, request: Request, token: int, logprobs: Logprobs | None,
-                      prompt_logprobs: PromptLogprobs | None = None) -> EngineCoreOutput:
-        request.append_output_token_ids(token)
-        status = self._check_stop(request, token)
-        if request.structured_output is not None and status is None:
-            with self.timings.phase("mask"):
-                status = self._advance_grammar(request, token)
-        out = EngineCoreOutput(request.request_id, [token],
-                               [logprobs] if logprobs is not None else [],
+    def _append_tokens(self, request: Request, tokens: list[int],
+                       logprobs: list[Logprobs] | None,
+                       prompt_logprobs: PromptLogprobs | None = None) -> EngineCoreOutput:
+        """Append tokens one by one, as if each came from its own step: the first that stops
+        the request is its last."""
+        status = None
+        for num_kept, token in enumerate(tokens, 1):
+            request.append_output_token_ids(token)
+            status = self._check_stop(request, token)
+            if request.structured_output is not None and status is None:
+                with self.timings.phase("mask"):
+                    status = self._advance_grammar(request, token)
+            if status is not None:
+                break
+        out = EngineCoreOutput(request.request_id, tokens[:num_kept],
+                               logprobs[:num_kept] if logprobs is not None else [],
                                prompt_logprobs=prompt_logprobs,
                                num_cached_tokens=max(request.num_cached_tokens, 0))
         if status is not None:
@@ -451,7 +502,8 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         totals = self.kv.total_stats
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage,
-                              totals.queries, totals.hits, self.num_preemptions, self.num_steps)
+                              totals.queries, totals.hits, self.num_preemptions, self.num_steps,
+                              self.spec_stats)
 
 
 def _is_prefilling(request: Request) -> bool:

@@ -54,6 +54,9 @@ class SchedulerOutput:
     # one bit per token; rows in the order of structured_output_req_ids.
     structured_output_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None  # i32[len(structured_output_req_ids), ceil(V / 32)] | None
+    # Speculative decoding: each decoding request's drafts, scheduled as inputs after its last
+    # token and verified in this step; -1 for a draft the step proposes on the device.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -80,10 +83,36 @@ class PromptLogprobs:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     req_ids: list[str]  # in the order of sampled_token_ids
-    sampled_token_ids: list[int]
-    logprobs: list[Logprobs | None] | None = None
+    # Per request: its accepted drafts, then the token sampled after them (one token without
+    # drafts).
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[Logprobs] | None] | None = None  # one per token, where asked
     # Requests whose prompt this step finished, when they asked for prompt logprobs.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    """Speculative decoding since start (vLLM's vllm:spec_decode_* counters)."""
+    num_drafts: int = 0  # request-steps that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_drafted:
+            self.num_accepted_tokens_per_pos += [0] * (
+                num_drafted - len(self.num_accepted_tokens_per_pos))
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verifying request-step: 1 (the sampled one) + accepted drafts."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass(slots=True)

@@ -7,7 +7,8 @@ counts the ids in flight as placeholders: a decode is scheduled again before its
 known, and the model runner feeds it that token from the device. A request that stops on a
 token sampled at N has already had one more token computed at N+1, which is dropped. Requests
 with penalties or a grammar need their whole history on the host, so while one runs the core
-waits for N before scheduling N+1.
+waits for N before scheduling N+1. So does every step with speculative decoding on: its drafts
+follow the tokens that step N accepts.
 
 A step that raises while it is prepared, launched or read back fails the requests it carried
 (finish reason "error", blocks freed) and the engine goes on, unless the device state is lost
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import KVTransfer, Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from jaxserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput, SpecDecodingStats
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.engine.dp_router import DPRouter
 from jaxserve.engine.kv_connector import KVConnector, KVTransferStats
@@ -58,6 +59,7 @@ class EngineStats:
     # Wall seconds per step phase since start, summed over ranks (see core/step_timing.py).
     step_seconds: dict[str, float]
     kv_transfer: KVTransferStats | None = None  # disaggregated decode: prefill side, KV moved
+    spec_decoding: SpecDecodingStats | None = None  # summed over ranks, with speculation on
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -89,6 +91,12 @@ class EngineCore:
         if config.model.max_logprobs > self.model_config.vocab_size:
             raise ValueError(f"max_logprobs must be <= the vocabulary size "
                              f"({self.model_config.vocab_size}), got {config.model.max_logprobs}")
+        spec = config.scheduler.speculative_config
+        if spec is not None and spec.method == "layer_skip" \
+                and spec.num_layers >= self.model_config.num_layers:
+            raise ValueError(f"speculative_config.num_layers ({spec.num_layers}) must be below "
+                             f"the model's {self.model_config.num_layers} layers")
+        self.async_scheduling = config.scheduler.async_scheduling and spec is None
         hash_seed = config.cache.prefix_caching_hash_seed
         self.schedulers = [
             Scheduler(config.scheduler, config.cache, b.num_kv_blocks, b.max_model_len,
@@ -149,7 +157,7 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, None if launched.failed else launched
         if previous is not None:
             outputs += self.finish(previous)
-        if not self.config.scheduler.async_scheduling and self._in_flight is not None:
+        if not self.async_scheduling and self._in_flight is not None:
             outputs += self.finish(self._in_flight)
             self._in_flight = None
         self.num_steps += 1
@@ -258,11 +266,27 @@ class EngineCore:
             step_seconds=self.timings.merged(
                 *(w.runner.timings for w in self.executor.workers),
                 *(s.timings for s in self.schedulers)).seconds,
-            kv_transfer=None if self.connector is None else self.connector.stats())
+            kv_transfer=None if self.connector is None else self.connector.stats(),
+            spec_decoding=_sum_spec_stats([s.spec_decoding for s in per_rank]))
 
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+
+
+def _sum_spec_stats(per_rank: list[SpecDecodingStats | None]) -> SpecDecodingStats | None:
+    if per_rank[0] is None:
+        return None
+    total = SpecDecodingStats()
+    for stats in per_rank:
+        total.num_drafts += stats.num_drafts
+        total.num_draft_tokens += stats.num_draft_tokens
+        total.num_accepted_tokens += stats.num_accepted_tokens
+        for pos, n in enumerate(stats.num_accepted_tokens_per_pos):
+            if pos == len(total.num_accepted_tokens_per_pos):
+                total.num_accepted_tokens_per_pos.append(0)
+            total.num_accepted_tokens_per_pos[pos] += n
+    return total
 
 
 def check_pool_holds_a_sequence(num_blocks: int, max_model_len: int, block_size: int) -> None:

@@ -94,26 +94,11 @@ class OutputProcessor:
                     out.prompt_logprobs, state.prompt_token_ids, state.params.prompt_logprobs,
                     self.tokenizer)
             metrics = state.metrics
-            for _ in out.new_token_ids:
-                metrics.token_times.append(now)
             if out.new_token_ids and metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
-            comp.token_ids.extend(out.new_token_ids)
-            if comp.logprobs is not None:
-                tokenizer = self.tokenizer if state.params.detokenize else None
-                comp.logprobs.extend(sample_logprobs(lp, tokenizer) for lp in out.new_logprobs)
-                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + sum(
-                    lp.logprob for lp in out.new_logprobs)
-            if sample.detokenizer is not None:
-                before = len(comp.text)
-                comp.text += sample.detokenizer.push(out.new_token_ids)
-                if out.finish_reason is not None:
-                    comp.text += sample.detokenizer.flush()
-                # As vLLM: stop strings count only once min_tokens tokens are out.
-                if len(comp.token_ids) > state.params.min_tokens and self._apply_stop_strings(
-                        comp, state.params, before):
-                    stopped.append(out.request_id)
+            if self._add_tokens(state, sample, out, now):
+                stopped.append(out.request_id)
             if out.finish_reason is not None and not comp.finished():
                 comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
                 state.error = state.error or out.error
@@ -129,6 +114,32 @@ class OutputProcessor:
             if kind != RequestOutputKind.FINAL_ONLY or state.finished:
                 results.append(self._make_output(state, kind == RequestOutputKind.DELTA))
         return results, stopped
+
+    def _add_tokens(self, state: RequestState, sample: _Sample, out: EngineCoreOutput,
+                    now: float) -> bool:
+        """Add the output's tokens one at a time (several come from one speculative step), so a
+        stop string ends the text, the ids and the logprobs at the token that completed it.
+        True when a stop string did."""
+        comp = sample.completion
+        tokenizer = self.tokenizer if state.params.detokenize else None
+        for i, token in enumerate(out.new_token_ids):
+            state.metrics.token_times.append(now)
+            comp.token_ids.append(token)
+            if comp.logprobs is not None:
+                lp = out.new_logprobs[i]
+                comp.logprobs.append(sample_logprobs(lp, tokenizer))
+                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp.logprob
+            if sample.detokenizer is None:
+                continue
+            before = len(comp.text)
+            comp.text += sample.detokenizer.push([token])
+            if out.finish_reason is not None and i == len(out.new_token_ids) - 1:
+                comp.text += sample.detokenizer.flush()
+            # As vLLM: stop strings count only once min_tokens tokens are out.
+            if len(comp.token_ids) > state.params.min_tokens and self._apply_stop_strings(
+                    comp, state.params, before):
+                return True
+        return False
 
     @staticmethod
     def _apply_stop_strings(comp: CompletionOutput, params: SamplingParams, before: int) -> bool:

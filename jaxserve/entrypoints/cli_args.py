@@ -47,6 +47,10 @@ HELP = {
     "enable_mixed_batching": "put prefills and decodes in one step (off: V0-style steps of "
                              "one kind)",
     "async_scheduling": "schedule and launch step N+1 while step N runs",
+    "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5} or "
+                          "{\"method\": \"layer_skip\", \"num_speculative_tokens\": 3, "
+                          "\"num_layers\": 2} (default: off)",
     "attention_backend": "attention implementation: auto (pallas on TPU/GPU, xla on CPU), "
                          "xla, pallas, or pallas_interpret",
     "scan_layers": "run the layers as one lax.scan (default: on TPU/GPU, not on CPU)",

@@ -14,7 +14,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compile_check import device_model_config, prepare
 from jaxserve.executor.input_batch import StepArrays
-from jaxserve.executor.model_runner import ProgramKey, step_buckets, step_inputs, warm_up_programs
+from jaxserve.executor.model_runner import (ProgramKey, num_speculative_tokens, step_buckets,
+                                           step_inputs, warm_up_programs)
 from jaxserve.executor.packing import pack
 from jaxserve.executor.targets import Target
 from jaxserve.layers.sampler import SamplingMetadata
@@ -66,7 +67,7 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
     token_buckets, request_buckets = step_buckets(config)
     programs, left = compile_all(program, warm_up_programs(
         token_buckets, request_buckets, program.max_blocks_per_seq, cfg.eos_token_ids,
-        config.model.max_logprobs, cfg.vocab_size))
+        config.model.max_logprobs, cfg.vocab_size, num_speculative_tokens(config)))
     kv = program.kv
     programs[compiled_dir.KV_INIT] = jax.jit(
         lambda: (jnp.zeros(kv.shape, kv.dtype), jnp.zeros(kv.shape, kv.dtype)),

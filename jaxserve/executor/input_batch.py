@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,21 +41,32 @@ class StepArrays:
     query_start_loc: np.ndarray  # i32[R_padded + 1]
     seq_lens: np.ndarray  # i32[R_padded]
     block_tables: np.ndarray  # i32[R_padded, max_blocks_per_seq]
-    logits_indices: np.ndarray  # i32[R_padded]   last query row of each request
+    # i32[S_padded]  the query rows sampled: each request's last, after those of its drafts
+    logits_indices: np.ndarray
     completes_sequence: np.ndarray  # bool[R]     the step reaches the last known token
+    # i32[R + 1]  request i's sample rows are sample_starts[i] .. sample_starts[i + 1] - 1
+    sample_starts: np.ndarray
+    draft_token_ids: list[list[int]]  # per request: its drafts (inputs after its last token)
+    draft_starts: np.ndarray  # i32[R_padded]  the row of each request's last known token
+    num_drafts: np.ndarray  # i32[R_padded]    its drafts (0: none; padding)
 
     @staticmethod
-    def empty(num_tokens: int, num_reqs: int, max_blocks_per_seq: int) -> "StepArrays":
-        """A step of only padding, in the (num_tokens, num_reqs) bucket: what warm-up runs."""
+    def empty(num_tokens: int, num_reqs: int, max_blocks_per_seq: int,
+              num_sample_rows: int | None = None) -> "StepArrays":
+        """A step of only padding, in the (num_tokens, num_reqs, num_sample_rows) bucket
+        (one sample row per request by default): what warm-up runs."""
         T, R = num_tokens, num_reqs
+        S = R if num_sample_rows is None else num_sample_rows
         zeros = np.zeros(T, np.int32)
         return StepArrays(req_ids=[], input_ids=zeros, prev_rows=np.full(T, -1, np.int32),
                           positions=zeros, slot_mapping=zeros,
                           query_start_loc=np.zeros(R + 1, np.int32),
                           seq_lens=np.zeros(R, np.int32),
                           block_tables=np.zeros((R, max_blocks_per_seq), np.int32),
-                          logits_indices=np.zeros(R, np.int32),
-                          completes_sequence=np.zeros(0, bool))
+                          logits_indices=np.zeros(S, np.int32),
+                          completes_sequence=np.zeros(0, bool),
+                          sample_starts=np.zeros(1, np.int32), draft_token_ids=[],
+                          draft_starts=np.zeros(R, np.int32), num_drafts=np.zeros(R, np.int32))
 
 
 def pick_bucket(buckets: list[int], n: int, what: str) -> int:
@@ -95,9 +107,10 @@ class InputBatch:
             state.num_computed_tokens = computed
 
     def prepare(self, sched: SchedulerOutput, token_buckets: list[int],
-                request_buckets: list[int], running_rows: Mapping[str, int]) -> StepArrays:
-        """`running_rows`: request -> its row in the step still running, for the requests whose
-        next input that step samples (async scheduling)."""
+                request_buckets: list[int], running_rows: Mapping[str, int],
+                num_speculative_tokens: int = 0) -> StepArrays:
+        """`running_rows`: request -> its sample row in the step still running, for the
+        requests whose next input that step samples (async scheduling)."""
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(req_ids))
@@ -123,25 +136,49 @@ class InputBatch:
         input_ids = np.zeros(T, np.int32)
         prev_rows = np.full(T, -1, np.int32)
         ids: list[int] = []
-        for state, c, n in zip(states, starts, counts):
-            tokens = state.token_ids[c:c + n]
+        spec = sched.scheduled_spec_decode_tokens
+        drafts = [spec.get(r, []) for r in req_ids]
+        for state, c, n, d in zip(states, starts, counts, drafts):
+            tokens = state.token_ids[c:c + n - len(d)]
             ids += tokens
-            if len(tokens) < n:  # the last input is still being sampled: the device has it
+            if len(tokens) < n - len(d):  # the last input is still being sampled: on the device
                 prev_rows[len(ids)] = running_rows[state.req_id]
                 ids.append(0)
+            ids += [max(t, 0) for t in d]
         input_ids[:num_tokens] = ids
         seq_lens = np.zeros(R, np.int32)
         seq_lens[:len(req_ids)] = starts + counts
-        logits_indices = np.zeros(R, np.int32)
-        logits_indices[:len(req_ids)] = query_start_loc[1:len(req_ids) + 1] - 1
+        num_drafts = np.fromiter(map(len, drafts), np.int32, len(drafts))
+        sample_starts = np.zeros(len(req_ids) + 1, np.int32)
+        np.cumsum(num_drafts + 1, out=sample_starts[1:])
+        num_rows = int(sample_starts[-1])
+        S = R if num_rows <= R else min(T, R * (1 + num_speculative_tokens))
+        logits_indices = np.zeros(S, np.int32)
+        # Request i's rows: the query rows of its last num_drafts[i] + 1 tokens.
+        row_request = np.repeat(np.arange(len(req_ids)), num_drafts + 1)
+        logits_indices[:num_rows] = (query_start_loc[row_request + 1] - 1 - num_drafts[row_request]
+                                     + np.arange(num_rows) - sample_starts[row_request])
         lengths = np.fromiter((len(s.token_ids) + s.row.num_pending for s in states), np.int32,
                               len(states))
+        draft_starts = np.zeros(R, np.int32)
+        draft_starts[:len(req_ids)] = query_start_loc[1:len(req_ids) + 1] - 1 - num_drafts
+        padded_drafts = np.zeros(R, np.int32)
+        padded_drafts[:len(req_ids)] = num_drafts
         return StepArrays(req_ids, input_ids, prev_rows, positions, slot_mapping,
                           query_start_loc, seq_lens, block_tables, logits_indices,
-                          (starts + counts) >= lengths)
+                          (starts + counts) >= lengths, sample_starts, drafts, draft_starts,
+                          padded_drafts)
 
-    def rows(self, req_ids: list[str]) -> list[RowSpec]:
-        return [self.requests[r].row for r in req_ids]
+    def rows(self, arrays: StepArrays) -> list[RowSpec]:
+        """The sampler's rows: each request's, and before it one per draft, each at its own
+        step (the key of a seeded draw, and min_tokens, count the tokens before it)."""
+        out = []
+        for req_id, d in zip(arrays.req_ids, arrays.draft_token_ids):
+            row = self.requests[req_id].row
+            out += [dataclasses.replace(row, num_pending=row.num_pending + j)
+                    for j in range(len(d))]
+            out.append(row)
+        return out
 
     def mark_pending(self, arrays: StepArrays) -> None:
         """The step is launched: the tokens it samples are pending until `append_sampled`."""
@@ -149,13 +186,13 @@ class InputBatch:
             if arrays.completes_sequence[i]:
                 self.requests[req_id].row.num_pending += 1
 
-    def append_sampled(self, arrays: StepArrays, sampled: np.ndarray) -> None:
-        """Record tokens sampled for requests whose step reached their last token. A request
-        finished or preempted while the step ran is gone from the batch: its token is dropped."""
+    def append_sampled(self, arrays: StepArrays, tokens: list[list[int]]) -> None:
+        """Record the tokens of requests whose step reached their last token (accepted drafts
+        and the sampled one). A request finished or preempted while the step ran is gone from
+        the batch: its tokens are dropped."""
         for i, req_id in enumerate(arrays.req_ids):
             state = self.requests.get(req_id)
             if arrays.completes_sequence[i] and state is not None:
-                token = int(sampled[i])
-                state.token_ids.append(token)
-                state.row.output_token_ids.append(token)
+                state.token_ids += tokens[i]
+                state.row.output_token_ids += tokens[i]
                 state.row.num_pending -= 1

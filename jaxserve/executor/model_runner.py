@@ -37,6 +37,8 @@ from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_block
                                          padded_block_ids, scatter_blocks)
 from jaxserve.executor.packing import PackedLayout, pack, unpack
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.executor.layer_skip_drafts import layer_skip_drafts
+from jaxserve.executor.spec_verify import accepted_tokens
 from jaxserve.executor.prompt_logprobs import (PromptLogprobsPlan, finished_prompt_logprobs,
                                                plan_prompt_logprobs, record_prompt_logprobs)
 from jaxserve.layers.axes import AXIS
@@ -61,6 +63,7 @@ class PendingStep(NamedTuple):
     out: SamplerOutput  # device arrays, possibly still being computed
     prompt_plan: PromptLogprobsPlan | None = None
     prompt_out: TokenLogprobs | None = None  # device arrays, with prompt_plan
+    drafts: jax.Array | None = None  # i32[R, max_drafts]: proposed on the device this step
 
 
 class _LastStep(NamedTuple):
@@ -77,12 +80,15 @@ class _LastStep(NamedTuple):
 
 class StepStatics:
     """The jitted step's static arguments. jit hashes static arguments on every call, and an
-    NNX GraphDef takes milliseconds to hash, so the hash is computed once here."""
+    NNX GraphDef takes milliseconds to hash, so the hash is computed once here.
+    `draft_layers` > 0: the step drafts up to `max_drafts` tokens a request on the device
+    from the model's first `draft_layers` layers (layer-skip self-speculation)."""
 
     def __init__(self, graphdef: nnx.GraphDef, backend: AttentionBackend,
-                 kv_sharding: NamedSharding):
+                 kv_sharding: NamedSharding, draft_layers: int = 0, max_drafts: int = 0):
         self.graphdef, self.backend, self.kv_sharding = graphdef, backend, kv_sharding
-        self._key = (graphdef, backend, kv_sharding)
+        self.draft_layers, self.max_drafts = draft_layers, max_drafts
+        self._key = (graphdef, backend, kv_sharding, draft_layers, max_drafts)
         self._hash = hash(self._key)
 
     def __hash__(self) -> int:
@@ -93,43 +99,55 @@ class StepStatics:
                                  and self._key == other._key)
 
 
+class _Forward(NamedTuple):
+    model: Llama
+    hidden: jax.Array  # [T, D]
+    k_cache: jax.Array
+    v_cache: jax.Array
+    logits_indices: jax.Array  # i32[S]
+    drafts: jax.Array  # i32[R, max_drafts], proposed on the device (none: [R, 0])
+
+
 def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
-             v_cache: jax.Array, prev_sampled: jax.Array, inputs: jax.Array,
-             ) -> tuple[Llama, jax.Array, jax.Array, jax.Array, jax.Array]:
-    # prev_sampled: i32[max request bucket], the previous step's sampled ids (row order)
-    # inputs: i32[n], the packed (input_ids, prev_rows, AttentionMetadata, logits_indices)
-    input_ids, prev_rows, md, logits_indices = unpack(layout, inputs)
+             v_cache: jax.Array, prev_sampled: jax.Array, inputs: jax.Array) -> _Forward:
+    # prev_sampled: i32[max sample rows], the previous step's sampled ids (sample-row order)
+    # inputs: i32[n], the packed (input_ids, prev_rows, AttentionMetadata, logits_indices,
+    # draft_starts, num_drafts)
+    input_ids, prev_rows, md, logits_indices, draft_starts, num_drafts = unpack(layout, inputs)
     input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
     model = nnx.merge(statics.graphdef, state)
+    drafts = jnp.zeros((draft_starts.shape[0], 0), jnp.int32)
+    if statics.draft_layers:
+        input_ids, drafts, k_cache, v_cache = layer_skip_drafts(
+            model, statics.backend, statics.draft_layers, statics.max_drafts, input_ids, md,
+            draft_starts, num_drafts, k_cache, v_cache)
     hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend)
     # Pin the cache's layout so the donated buffers come back exactly as they went in.
     k_cache = jax.lax.with_sharding_constraint(k_cache, statics.kv_sharding)
     v_cache = jax.lax.with_sharding_constraint(v_cache, statics.kv_sharding)
-    return model, hidden, k_cache, v_cache, logits_indices  # hidden: [T, D]
+    return _Forward(model, hidden, k_cache, v_cache, logits_indices, drafts)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
 def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
           v_cache: jax.Array, prev_sampled: jax.Array, inputs: jax.Array,
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    model, hidden, k_cache, v_cache, logits_indices = _forward(
-        statics, layout, state, k_cache, v_cache, prev_sampled, inputs)
-    return k_cache, v_cache, model.compute_logits(hidden[logits_indices])  # f32[R, V]
+          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    f = _forward(statics, layout, state, k_cache, v_cache, prev_sampled, inputs)
+    return f.k_cache, f.v_cache, f.model.compute_logits(f.hidden[f.logits_indices]), f.drafts
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
 def _step_prompt_logprobs(statics: StepStatics, layout: PackedLayout, num_top: int,
                           state: nnx.State, k_cache: jax.Array, v_cache: jax.Array,
                           prev_sampled: jax.Array, inputs: jax.Array, targets: jax.Array,
-                          ) -> tuple[jax.Array, jax.Array, jax.Array, TokenLogprobs]:
+                          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, TokenLogprobs]:
     """`_step`, plus every token row's logprob of `targets` (i32[T], the next prompt token):
     a separate program per token bucket, run only for steps where a row asks."""
-    model, hidden, k_cache, v_cache, logits_indices = _forward(
-        statics, layout, state, k_cache, v_cache, prev_sampled, inputs)
+    f = _forward(statics, layout, state, k_cache, v_cache, prev_sampled, inputs)
     # The sampler's rows as in `_step` (the same tokens with or without prompt logprobs).
-    logits = model.compute_logits(hidden[logits_indices])                  # f32[R, V]
-    return k_cache, v_cache, logits, token_logprobs(model.compute_logits(hidden), targets,
-                                                    num_top)               # over [T, V]
+    logits = f.model.compute_logits(f.hidden[f.logits_indices])            # f32[S, V]
+    return f.k_cache, f.v_cache, logits, f.drafts, token_logprobs(
+        f.model.compute_logits(f.hidden), targets, num_top)                # over [T, V]
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -164,50 +182,81 @@ def bucket_pairs(token_buckets: list[int], request_buckets: list[int]) -> list[t
     return [(T, R) for T in token_buckets for R in sorted({min(r, T) for r in request_buckets})]
 
 
+def num_speculative_tokens(config: EngineConfig) -> int:
+    spec = config.scheduler.speculative_config
+    return 0 if spec is None else spec.num_speculative_tokens
+
+
+def device_draft_statics(config: EngineConfig) -> tuple[int, int]:
+    """(draft_layers, max_drafts) of StepStatics: layer-skip drafts come from the step."""
+    spec = config.scheduler.speculative_config
+    if spec is None or spec.method != "layer_skip":
+        return 0, 0
+    return spec.num_layers, spec.num_speculative_tokens
+
+
+def sample_row_buckets(T: int, R: int, num_drafts: int) -> list[int]:
+    """The sample-row counts S a (T, R) step is compiled for: R (one row a request, which
+    also holds drafts that fit in the padding), and with speculation the most rows it can
+    have: every request drafting, bounded by the tokens."""
+    return sorted({R, min(T, R * (1 + num_drafts))})
+
+
+def max_sample_rows(config: EngineConfig) -> int:
+    """The length of `prev_sampled`: the most rows any step samples."""
+    token_buckets, request_buckets = step_buckets(config)
+    k = num_speculative_tokens(config)
+    return max(sample_row_buckets(T, R, k)[-1] for T, R in bucket_pairs(token_buckets,
+                                                                         request_buckets))
+
+
 def step_inputs(arrays: StepArrays) -> tuple[np.ndarray, PackedLayout]:
     """The model step's packed host inputs."""
     md = AttentionMetadata(positions=arrays.positions, slot_mapping=arrays.slot_mapping,
                            query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
                            block_tables=arrays.block_tables)
-    return pack((arrays.input_ids, arrays.prev_rows, md, arrays.logits_indices))
+    return pack((arrays.input_ids, arrays.prev_rows, md, arrays.logits_indices,
+                 arrays.draft_starts, arrays.num_drafts))
 
 
 def warm_up_programs(token_buckets: list[int], request_buckets: list[int],
                      max_blocks_per_seq: int, eos_token_ids: tuple[int, ...],
-                     max_logprobs: int, vocab_size: int = 0,
+                     max_logprobs: int, vocab_size: int = 0, num_drafts: int = 0,
                      ) -> list[tuple[StepArrays, SamplingMetadata]]:
-    """The steps warm-up runs: the model for every (token bucket, request bucket) pair, and the
-    sampler for every request bucket: greedy and sampled, without and with logprobs, without
-    and (given `vocab_size`) with a grammar bitmask. Penalties compile the sampler (only) for
-    each new history width on first use."""
+    """The steps warm-up runs: the model for every (token bucket, request bucket, sample rows)
+    of `sample_row_buckets`, and the sampler for every sample-row count: greedy and sampled,
+    without and with logprobs, without and (given `vocab_size`) with a grammar bitmask.
+    Penalties compile the sampler (only) for each new history width on first use."""
     logprobs_widths = [0, logprobs_width(max_logprobs)]
     mask_widths = sorted({0, mask_words(vocab_size)})
     sampler_done: set[int] = set()
     out = []
     for T, R in bucket_pairs(token_buckets, request_buckets):
-        # The sampler's shapes depend on R only: all of its variants with the first T.
-        variants = [(True, 0, 0)] if R in sampler_done else [
-            (greedy, n, w) for greedy in (True, False) for n in logprobs_widths
-            for w in mask_widths]
-        sampler_done.add(R)
-        for greedy, num_logprobs, words in variants:
-            sampling = make_sampling_metadata(
-                [], R, eos_token_ids=eos_token_ids, num_logprobs=num_logprobs,
-                token_bitmask=np.full((R, words), -1, np.int32) if words else None)
-            if not greedy:
-                sampling = dataclasses.replace(sampling, all_greedy=False)
-            out.append((StepArrays.empty(T, R, max_blocks_per_seq), sampling))
+        for S in sample_row_buckets(T, R, num_drafts):
+            # The sampler's shapes depend on S only: all of its variants with the first T.
+            variants = [(True, 0, 0)] if S in sampler_done else [
+                (greedy, n, w) for greedy in (True, False) for n in logprobs_widths
+                for w in mask_widths]
+            sampler_done.add(S)
+            for greedy, num_logprobs, words in variants:
+                sampling = make_sampling_metadata(
+                    [], S, eos_token_ids=eos_token_ids, num_logprobs=num_logprobs,
+                    token_bitmask=np.full((S, words), -1, np.int32) if words else None)
+                if not greedy:
+                    sampling = dataclasses.replace(sampling, all_greedy=False)
+                out.append((StepArrays.empty(T, R, max_blocks_per_seq, S), sampling))
     return out
 
 
-def step_bitmask(sched: SchedulerOutput, req_ids: list[str], num_rows: int,
+def step_bitmask(sched: SchedulerOutput, arrays: StepArrays, num_rows: int,
                  ) -> np.ndarray | None:
-    """i32[num_rows, W]: the scheduler's grammar bitmask in the step's row order, all ones for
-    free rows and padding; None when no row is constrained (the sampler's mask-free shape)."""
+    """i32[num_rows, W]: the scheduler's grammar bitmask at each constrained request's sample
+    row (it has no drafts), all ones for free rows and padding; None when no row is
+    constrained (the sampler's mask-free shape)."""
     if sched.grammar_bitmask is None:
         return None
     out = np.full((num_rows, sched.grammar_bitmask.shape[1]), -1, np.int32)
-    rows = {req_id: i for i, req_id in enumerate(req_ids)}
+    rows = {req_id: int(arrays.sample_starts[i]) for i, req_id in enumerate(arrays.req_ids)}
     out[[rows[r] for r in sched.structured_output_req_ids]] = sched.grammar_bitmask
     return out
 
@@ -227,12 +276,14 @@ class ModelRunner:
         self.batch = InputBatch(block_size, self.max_blocks_per_seq)
         self.block_buckets = block_buckets(self.max_blocks_per_seq)
         self.token_buckets, self.request_buckets = step_buckets(config)
+        self.num_drafts = num_speculative_tokens(config)
         # Module-level jits (_step, _sample): engines with the same model structure and step
         # shapes share compiled executables within a process.
         graphdef, self.params = nnx.split(model)
-        self.statics = StepStatics(graphdef, backend, self.kv_sharding)
+        self.statics = StepStatics(graphdef, backend, self.kv_sharding,
+                                   *device_draft_statics(config))
         # The last launched step's sampled ids, and the rows whose next input they are.
-        self.prev_sampled = jax.device_put(np.zeros(self.request_buckets[-1], np.int32),
+        self.prev_sampled = jax.device_put(np.zeros(max_sample_rows(config), np.int32),
                                            NamedSharding(mesh, P()))
         self.running_rows: dict[str, int] = {}
         # Programs built ahead of time (a compiled directory), called directly: no tracing.
@@ -256,63 +307,73 @@ class ModelRunner:
             if sched.is_empty:
                 return None
             arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets,
-                                        self.running_rows)
-            rows = self.batch.rows(arrays.req_ids)
+                                        self.running_rows, self.num_drafts)
+            rows = self.batch.rows(arrays)
             # One logprobs width for every step that wants any: one shape.
             wants_logprobs = any(row.params.logprobs is not None for row in rows)
+            num_rows = len(arrays.logits_indices)
             sampling = make_sampling_metadata(
-                rows, len(arrays.seq_lens), eos_token_ids=self.eos_token_ids,
+                rows, num_rows, eos_token_ids=self.eos_token_ids,
                 num_logprobs=(logprobs_width(self.config.model.max_logprobs)
                               if wants_logprobs else 0),
-                token_bitmask=step_bitmask(sched, arrays.req_ids, len(arrays.seq_lens)))
+                token_bitmask=step_bitmask(sched, arrays, num_rows))
             prompt_plan = plan_prompt_logprobs(
                 arrays, [self.batch.requests[r] for r in arrays.req_ids],
                 self.config.model.max_logprobs)
         with self.timings.phase("dispatch"):
-            out, prompt_out = self._run(arrays, sampling, prompt_plan)
-            pending = PendingStep(arrays, rows, out, prompt_plan, prompt_out)
+            out, prompt_out, drafts = self._run(arrays, sampling, prompt_plan)
+            pending = PendingStep(arrays, rows, out, prompt_plan, prompt_out, drafts)
         self.batch.mark_pending(arrays)
-        self.running_rows = {req_id: i for i, req_id in enumerate(arrays.req_ids)
-                          if arrays.completes_sequence[i]}
+        self.running_rows = {req_id: int(arrays.sample_starts[i + 1]) - 1
+                             for i, req_id in enumerate(arrays.req_ids)
+                             if arrays.completes_sequence[i]}
         return pending
 
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
         if pending is None:
             return ModelRunnerOutput([], [])
-        arrays, rows, out, prompt_plan, prompt_out = pending
+        arrays, rows, out, prompt_plan, prompt_out, device_drafts = pending
         with self.timings.phase("device"):
             sampled = to_host(out.sampled)[:len(rows)]  # the step's one device -> host wait
         with self.timings.phase("update"):
-            self.batch.append_sampled(arrays, sampled)
+            drafts = arrays.draft_token_ids
+            if device_drafts is not None and any(drafts):
+                proposed = to_host(device_drafts)
+                drafts = [proposed[i, :len(d)] for i, d in enumerate(drafts)]
+            tokens = accepted_tokens(sampled, arrays.sample_starts, drafts)
+            self.batch.append_sampled(arrays, tokens)
             if prompt_out is not None:
                 record_prompt_logprobs(prompt_plan, *(to_host(x) for x in (
                     prompt_out.logprob, prompt_out.rank, prompt_out.topk_ids,
                     prompt_out.topk_logprobs)))
         self.num_steps += 1
         wants_logprobs = out.topk_ids.shape[1] > 0
-        return ModelRunnerOutput(arrays.req_ids, sampled.tolist(),
-                                 self._logprobs(out, rows) if wants_logprobs else None,
-                                 finished_prompt_logprobs(arrays, self.batch.requests))
+        return ModelRunnerOutput(
+            arrays.req_ids, tokens,
+            self._logprobs(out, rows, arrays.sample_starts, tokens) if wants_logprobs else None,
+            finished_prompt_logprobs(arrays, self.batch.requests))
 
     def _run(self, arrays: StepArrays, sampling: SamplingMetadata,
              prompt_plan: PromptLogprobsPlan | None = None,
-             ) -> tuple[SamplerOutput, TokenLogprobs | None]:
+             ) -> tuple[SamplerOutput, TokenLogprobs | None, jax.Array | None]:
         inputs, layout = step_inputs(arrays)
         prev, prompt_out = self.prev_sampled, None
         if prompt_plan is not None:
             num_top = self.config.model.max_logprobs
             self._count_shape(("step_prompt_logprobs", len(arrays.input_ids),
-                               len(arrays.seq_lens), num_top))
-            self.k_cache, self.v_cache, logits, prompt_out = _step_prompt_logprobs(
+                               len(arrays.seq_lens), len(arrays.logits_indices), num_top))
+            self.k_cache, self.v_cache, logits, drafts, prompt_out = _step_prompt_logprobs(
                 self.statics, layout, num_top, self.params, self.k_cache, self.v_cache, prev,
                 replicate(inputs, self.mesh), replicate(prompt_plan.targets, self.mesh))
         else:
             if ("step", layout) not in self.executables:
-                self._count_shape(("step", len(arrays.input_ids), len(arrays.seq_lens)))
-            logits = self._call_step(layout, prev, replicate(inputs, self.mesh))
+                self._count_shape(("step", len(arrays.input_ids), len(arrays.seq_lens),
+                                   len(arrays.logits_indices)))
+            logits, drafts = self._call_step(layout, prev, replicate(inputs, self.mesh))
         sampling_inputs, sampling_layout = pack(sampling)
         if ("sample", sampling_layout) not in self.executables:
-            self._count_shape(("sample", len(arrays.seq_lens), sampling.output_token_ids.shape[1],
+            self._count_shape(("sample", len(arrays.logits_indices),
+                               sampling.output_token_ids.shape[1],
                                sampling.prompt_token_ids.shape[1],
                                sampling.blocked_token_ids.shape[1],
                                sampling.token_bitmask.shape[1], sampling.all_greedy,
@@ -321,14 +382,16 @@ class ModelRunner:
                                                     replicate(sampling_inputs, self.mesh))
         self._last_step = _LastStep(layout, prev, inputs, sampling_layout, sampling_inputs,
                                     weakref.ref(self.k_cache))
-        return out, prompt_out
+        return out, prompt_out, drafts if self.statics.draft_layers else None
 
-    def _call_step(self, layout: PackedLayout, prev: jax.Array, inputs: jax.Array) -> jax.Array:
+    def _call_step(self, layout: PackedLayout, prev: jax.Array, inputs: jax.Array,
+                   ) -> tuple[jax.Array, jax.Array]:
+        """The model step: (logits f32[S, V], device drafts i32[R, max_drafts])."""
         args = (self.params, self.k_cache, self.v_cache, prev, inputs)
         step = self.executables.get(("step", layout))
-        self.k_cache, self.v_cache, logits = (
+        self.k_cache, self.v_cache, logits, drafts = (
             _step(self.statics, layout, *args) if step is None else step(*args))
-        return logits
+        return logits, drafts
 
     def _call_sampler(self, layout: PackedLayout, logits: jax.Array, prev: jax.Array,
                       inputs: jax.Array) -> tuple[SamplerOutput, jax.Array]:
@@ -350,8 +413,8 @@ class ModelRunner:
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            logits = self._call_step(last.layout, last.prev_sampled,
-                                     replicate(last.inputs, self.mesh))
+            logits, _ = self._call_step(last.layout, last.prev_sampled,
+                                        replicate(last.inputs, self.mesh))
             jax.block_until_ready(self._call_sampler(
                 last.sampling_layout, logits, last.prev_sampled,
                 replicate(last.sampling_inputs, self.mesh)))
@@ -360,15 +423,20 @@ class ModelRunner:
         return best
 
     @staticmethod
-    def _logprobs(out: SamplerOutput, rows: list[RowSpec]) -> list[Logprobs | None]:
+    def _logprobs(out: SamplerOutput, rows: list[RowSpec], sample_starts: np.ndarray,
+                  tokens: list[list[int]]) -> list[list[Logprobs] | None]:
+        """Per request that asks: the logprobs of each of its tokens (at its sample rows)."""
         n = len(rows)
         sampled, lp, rank = (to_host(a)[:n] for a in (out.sampled, out.logprob, out.rank))
         ids, lps = to_host(out.topk_ids)[:n], to_host(out.topk_logprobs)[:n]
-        return [None if row.params.logprobs is None else Logprobs(
-                    int(sampled[i]), float(lp[i]), int(rank[i]),
-                    list(zip(ids[i, :row.params.logprobs].tolist(),
-                             lps[i, :row.params.logprobs].tolist())))
-                for i, row in enumerate(rows)]
+        result: list[list[Logprobs] | None] = []
+        for start, request_tokens in zip(sample_starts, tokens):
+            num_top = rows[start].params.logprobs
+            result.append(None if num_top is None else [
+                Logprobs(int(sampled[i]), float(lp[i]), int(rank[i]),
+                         list(zip(ids[i, :num_top].tolist(), lps[i, :num_top].tolist())))
+                for i in range(start, start + len(request_tokens))])
+        return result
 
     # ---- whole KV blocks in and out (disaggregated prefill/decode) ------------------------
     def read_blocks(self, block_ids: list[int], heads: tuple[int, ...],
@@ -435,7 +503,7 @@ class ModelRunner:
     def warm_up_programs(self) -> list[tuple[StepArrays, SamplingMetadata]]:
         return warm_up_programs(self.token_buckets, self.request_buckets, self.max_blocks_per_seq,
                                 self.eos_token_ids, self.config.model.max_logprobs,
-                                self.model.cfg.vocab_size)
+                                self.model.cfg.vocab_size, self.num_drafts)
 
     def _loaded(self, arrays: StepArrays, sampling: SamplingMetadata) -> bool:
         return (("step", step_inputs(arrays)[1]) in self.executables

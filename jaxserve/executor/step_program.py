@@ -18,7 +18,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.executor.sharding import kv_cache_sharding
 from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.model_runner import (StepStatics, _sample, _step, bucket_pairs,
-                                            step_buckets, step_inputs)
+                                            device_draft_statics, max_sample_rows, num_speculative_tokens,
+                                            sample_row_buckets, step_buckets, step_inputs)
 from jaxserve.executor.packing import pack
 from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.layers.attention import AttentionBackend
@@ -38,8 +39,10 @@ class StepProgram:
     def mesh(self) -> Any:
         return self.statics.kv_sharding.mesh
 
-    def compile(self, num_tokens: int, num_reqs: int) -> Any:
-        return self.compile_step(StepArrays.empty(num_tokens, num_reqs, self.max_blocks_per_seq))
+    def compile(self, num_tokens: int, num_reqs: int, num_sample_rows: int | None = None,
+                ) -> Any:
+        return self.compile_step(StepArrays.empty(num_tokens, num_reqs, self.max_blocks_per_seq,
+                                                  num_sample_rows))
 
     def compile_step(self, arrays: StepArrays) -> Any:
         inputs, layout = step_inputs(arrays)
@@ -68,12 +71,12 @@ def step_program(graphdef: nnx.GraphDef, state: Any, cfg: LlamaConfig, config: E
     bs = config.cache.block_size
     kv = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, num_blocks, bs, cfg.head_dim),
                               jax.tree.leaves(state)[0].dtype, sharding=kv_sharding)
-    _, request_buckets = step_buckets(config)
-    prev = jax.ShapeDtypeStruct((request_buckets[-1],), jnp.int32,
+    prev = jax.ShapeDtypeStruct((max_sample_rows(config),), jnp.int32,
                                 sharding=NamedSharding(mesh, P()))
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                          state)
-    return StepProgram(StepStatics(graphdef, backend, kv_sharding), state, kv, prev,
+    return StepProgram(StepStatics(graphdef, backend, kv_sharding, *device_draft_statics(config)),
+                       state, kv, prev,
                        -(-max_model_len // bs))
 
 
@@ -84,7 +87,8 @@ def largest_step_temp_bytes(graphdef: nnx.GraphDef, state: Any, cfg: LlamaConfig
     not grow with the pool: the cache is updated in place)."""
     min_blocks = -(-max_model_len // config.cache.block_size) + 1
     program = step_program(graphdef, state, cfg, config, backend, min_blocks, max_model_len)
-    compiled = program.compile(*max(bucket_pairs(*step_buckets(config))))
+    T, R = max(bucket_pairs(*step_buckets(config)))
+    compiled = program.compile(T, R, sample_row_buckets(T, R, num_speculative_tokens(config))[-1])
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 

@@ -64,8 +64,10 @@ class Llama(nnx.Module):
         k_cache: jax.Array,  # [L, Hkv, NB, BS, Dh]
         v_cache: jax.Array,  # [L, Hkv, NB, BS, Dh]
         backend: AttentionBackend,
+        num_layers: int | None = None,  # the first layers only (self-speculation's drafts)
     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # hidden [T, D], k_cache, v_cache
         cfg = self.cfg
+        depth = cfg.num_layers if num_layers is None else num_layers
         x = self.embed[...][input_ids]
         inv_freq = jnp.asarray(inverse_frequencies(cfg.head_dim, cfg.rope_theta,
                                                    cfg.rope_scaling_dict))  # a constant
@@ -76,11 +78,11 @@ class Llama(nnx.Module):
 
         carry = (x, k_cache, v_cache)
         if self.scan_layers:
-            stacked = {name: p[...] for name, p in self.layers.items()}
+            stacked = {name: p[...][:depth] for name, p in self.layers.items()}
             carry, _ = jax.lax.scan(lambda c, wi: (layer(c, *wi), None), carry,
-                                    (stacked, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+                                    (stacked, jnp.arange(depth, dtype=jnp.int32)))
         else:
-            for index, params in enumerate(self.layers):
+            for index, params in enumerate(self.layers[:depth]):
                 carry = layer(carry, {name: p[...] for name, p in params.items()}, index)
         x, k_cache, v_cache = carry
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), k_cache, v_cache

@@ -143,7 +143,7 @@ def test_a_received_request_waits_for_its_first_token_then_its_kv_then_runs_like
     new = out.scheduled_new_reqs[0]
     assert (new.req_id, new.num_computed_tokens, new.block_ids) == ("t", 10, held)
     assert new.num_output_tokens == 1 and out.num_scheduled_tokens == {"t": 1}
-    outputs = s.update_from_output(out, ModelRunnerOutput(["t"], [9]))
+    outputs = s.update_from_output(out, ModelRunnerOutput(["t"], [[9]]))
     assert outputs[0].new_token_ids == [9] and r.output_token_ids == [7, 9]
     assert outputs[0].num_cached_tokens == 4  # the prefill side's hit, reported as vLLM's
     assert s.kv.num_cached_blocks["t"] == 2  # the moved full blocks are hittable now
@@ -155,7 +155,7 @@ def test_without_mixed_batching_remote_requests_neither_stall_decodes_nor_wait_f
     s = _scheduler(mixed=False)
     s.add_request(_request(s, "d", list(range(5))))
     out = s.schedule()
-    s.update_from_output(out, ModelRunnerOutput(["d"], [3]))  # "d" decodes from now on
+    s.update_from_output(out, ModelRunnerOutput(["d"], [[3]]))  # "d" decodes from now on
     s.add_request(_request(s, "t", list(range(10)), KVTransfer.RECEIVE))
     assert s.schedule().num_scheduled_tokens == {"d": 1}  # t has no first token: decode on
     _first_token(s, "t")
@@ -183,7 +183,7 @@ def test_decode_prefix_hits_cut_what_is_moved():
     s.schedule()
     s.finish_loading("a")
     out = s.schedule()
-    s.update_from_output(out, ModelRunnerOutput(["a"], [9]))  # a's full blocks now cached
+    s.update_from_output(out, ModelRunnerOutput(["a"], [[9]]))  # a's full blocks now cached
     s.add_request(_request(s, "b", list(range(9)) + [50], KVTransfer.RECEIVE))
     _first_token(s, "b")
     out = s.schedule()
@@ -218,7 +218,7 @@ def test_a_sent_request_keeps_its_blocks_until_released_and_caps_admission():
     q = _request(s, "q", list(range(20, 29)), KVTransfer.SEND, max_tokens=1)
     s.add_request(p)
     out = s.schedule()
-    assert s.update_from_output(out, ModelRunnerOutput(["p"], [5]))[0].finish_reason == "length"
+    assert s.update_from_output(out, ModelRunnerOutput(["p"], [[5]]))[0].finish_reason == "length"
     blocks = s.kv.get_block_ids("p")
     assert len(blocks) == 3 and s.sending == {"p": p} and not s.has_unfinished_requests()
     assert "p" in s.schedule().finished_req_ids  # the worker drops its state
@@ -253,7 +253,7 @@ def test_a_preempted_received_request_resumes_from_its_moved_blocks_in_the_cache
         out = s.schedule()
         preempted |= out.preempted_req_ids
         s.update_from_output(out, ModelRunnerOutput(list(out.num_scheduled_tokens),
-                                                    [2] * len(out.num_scheduled_tokens)))
+                                                    [[2]] * len(out.num_scheduled_tokens)))
         if preempted:
             break
     assert preempted == {"b"} and b in s.waiting and b.num_computed_tokens == 0

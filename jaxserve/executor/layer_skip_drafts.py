@@ -1,0 +1,52 @@
+"""Self-speculation on the device: drafts from the target's own first layers (layer skip).
+
+Inside the step, before the full model runs: `num_drafts` decode iterations over the step's
+drafting requests, each through the first `num_layers` layers, the final norm and the LM head,
+taking the argmax. Those layers' KV is the target's own (same weights, same tokens, same
+positions), so the drafts write it straight into the target's cache at the draft slots the
+scheduler allocated; the verification pass then rewrites those slots, so nothing the drafts
+write outlives the step unless the target would have written the same. No second cache, no
+second prefill. The drafts become the step's inputs after each request's last token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.models.llama import Llama
+
+
+def layer_skip_drafts(model: Llama, backend: AttentionBackend, num_layers: int,
+                      max_drafts: int, input_ids: jax.Array, md: AttentionMetadata,
+                      draft_starts: jax.Array, num_drafts: jax.Array, k_cache: jax.Array,
+                      v_cache: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """input_ids i32[T]: the step's inputs (drafts as placeholders); draft_starts i32[R]: each
+    request's last known token (its row in the step), num_drafts i32[R]: its drafts (0: none).
+    Returns (input_ids with the drafts in place, drafts i32[R, max_drafts], k_cache, v_cache)."""
+    num_rows = draft_starts.shape[0]
+    start = jnp.maximum(draft_starts, 0)
+    rows = jnp.arange(num_rows + 1, dtype=jnp.int32)
+
+    def draft(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        token, drafts, k_cache, v_cache = carry
+        active = j < num_drafts                                       # bool[R]
+        # Rows without a draft j write the null block's slot 0 and read one slot: padding.
+        positions = jnp.where(active, md.positions[start + j], 0)
+        step_md = AttentionMetadata(
+            positions=positions, slot_mapping=jnp.where(active, md.slot_mapping[start + j], 0),
+            query_start_loc=rows, seq_lens=positions + 1, block_tables=md.block_tables)
+        hidden, k_cache, v_cache = model(token, step_md, k_cache, v_cache, backend, num_layers)
+        token = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)  # i32[R]
+        return token, drafts.at[:, j].set(token), k_cache, v_cache
+
+    drafts = jnp.zeros((num_rows, max_drafts), jnp.int32)
+    _, drafts, k_cache, v_cache = jax.lax.cond(
+        jnp.any(num_drafts > 0),
+        lambda c: jax.lax.fori_loop(0, max_drafts, draft, c),
+        lambda c: c, (input_ids[start], drafts, k_cache, v_cache))
+    slots = jnp.arange(max_drafts, dtype=jnp.int32)[None, :]
+    targets = jnp.where(slots < num_drafts[:, None], start[:, None] + 1 + slots,
+                        input_ids.shape[0])                           # out of range: dropped
+    return input_ids.at[targets].set(drafts, mode="drop"), drafts, k_cache, v_cache

@@ -1,0 +1,95 @@
+"""The `speculative_config` engine argument (vLLM's): parsed and validated (no jax here).
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+     "prompt_lookup_max": 5}
+    {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 4}
+
+`disable_by_batch_size`: no drafts in a step once this many requests run (vLLM's
+speculative_disable_by_batch_size), where verification costs more than it saves.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+METHODS = ("ngram", "layer_skip")
+_KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                   "num_layers", "disable_by_batch_size", "model"})
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, for prompt_lookup_min and _max when neither is given
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP  # ngram: shortest suffix matched
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP  # ngram: longest suffix matched
+    num_layers: int = 0  # layer_skip: the target's first layers that draft
+    disable_by_batch_size: int = 0  # 0: never off
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def normalize_speculative(value: Any, num_model_layers: int | None = None,
+                          ) -> SpeculativeConfig | None:
+    """A SpeculativeConfig from a mapping or JSON text; None stays None. Every error is a
+    ValueError naming the field (`speculative_config.<field>`)."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config: not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a mapping or JSON text, got "
+                         f"{type(value).__name__}")
+    unknown = sorted(set(value) - _KEYS)
+    if unknown:
+        raise ValueError(f"speculative_config.{unknown[0]}: unknown field (known: "
+                         f"{', '.join(sorted(_KEYS))})")
+    method = value.get("method")
+    if method == "draft_model" or "model" in value:
+        raise ValueError("speculative_config.method: 'draft_model' (a second checkpoint) is not "
+                         "supported yet; use 'ngram' or 'layer_skip'")
+    if method not in METHODS:
+        raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}")
+    k = _int_field(value, "num_speculative_tokens", None, low=1)
+    lookup_min = value.get("prompt_lookup_min", value.get("prompt_lookup_max",
+                                                          DEFAULT_PROMPT_LOOKUP))
+    lookup_max = value.get("prompt_lookup_max", lookup_min)
+    config = SpeculativeConfig(
+        method=method, num_speculative_tokens=k,
+        prompt_lookup_min=_int_field({"prompt_lookup_min": lookup_min}, "prompt_lookup_min",
+                                     None, low=1),
+        prompt_lookup_max=_int_field({"prompt_lookup_max": lookup_max}, "prompt_lookup_max",
+                                     None, low=1),
+        num_layers=_int_field(value, "num_layers", 0, low=0),
+        disable_by_batch_size=_int_field(value, "disable_by_batch_size", 0, low=0))
+    if method != "ngram" and ("prompt_lookup_min" in value or "prompt_lookup_max" in value):
+        raise ValueError("speculative_config.prompt_lookup_min/max: only for method 'ngram'")
+    if config.prompt_lookup_min > config.prompt_lookup_max:
+        raise ValueError(f"speculative_config.prompt_lookup_min ({config.prompt_lookup_min}) "
+                         f"must be <= prompt_lookup_max ({config.prompt_lookup_max})")
+    if method == "layer_skip":
+        if config.num_layers < 1:
+            raise ValueError("speculative_config.num_layers: layer_skip needs num_layers >= 1 "
+                             "(the target's first layers that draft)")
+        if num_model_layers is not None and config.num_layers >= num_model_layers:
+            raise ValueError(f"speculative_config.num_layers ({config.num_layers}) must be "
+                             f"below the model's {num_model_layers} layers")
+    elif "num_layers" in value:
+        raise ValueError("speculative_config.num_layers: only for method 'layer_skip'")
+    return config
+
+
+def _int_field(value: dict[str, Any], name: str, default: int | None, low: int) -> int:
+    got = value.get(name, default)
+    if got is None:
+        raise ValueError(f"speculative_config.{name} is required")
+    if not isinstance(got, int) or isinstance(got, bool) or got < low:
+        raise ValueError(f"speculative_config.{name} must be an integer >= {low}, got {got!r}")
+    return got
