@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Run every benchmark (each writes results/<name>.md and prints it), then rewrite the README's
 # results section from results/*.md. Usage: scripts/bench_all.sh [NAME_TO_SKIP ...]
-# UPDATE_README=0 leaves the README alone. Takes ~35-50 minutes on a 2-core CPU (more when the
+# UPDATE_README=0 leaves the README alone. Takes ~45-60 minutes on a 2-core CPU (more when the
 # machine is shared); each table records the load average it was made under.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 BENCHES=(bench_throughput_vs_hf bench_prefix_caching bench_chunked_prefill bench_mixed_batching
-         bench_host_overhead bench_decode_roofline bench_compile_check bench_startup)
+         bench_spec_decode bench_host_overhead bench_decode_roofline bench_compile_check
+         bench_startup)
 SKIP=" ${*:-} "
 for bench in "${BENCHES[@]}"; do
   if [[ "$SKIP" == *" $bench "* ]]; then

@@ -19,6 +19,10 @@ at once), `--waves` such groups one after the other in a timed run.
 
     python scripts/bench_spec_decode.py [--models dummy,stories] [--batches 1,8]
     python scripts/bench_spec_decode.py --quick --models dummy    # a smoke run
+    python scripts/bench_spec_decode.py --proposers off,off-sync,ngram --ngram-lookup 2-4
+
+`off-sync` (on request): off without async scheduling, which speculation turns off, to tell
+what the drafts win from what the lost overlap costs.
 """
 
 from __future__ import annotations
@@ -57,28 +61,38 @@ OPENERS = ("Once upon a time", "One day, a little girl", "Tom had a big red ball
 GOAL_SPEEDUP, GOAL_SLOWDOWN = 2.0, 0.95
 
 
-def proposers(num_layers: int) -> dict[str, dict[str, Any] | None]:
+def proposers(num_layers: int, args: argparse.Namespace) -> dict[str, dict[str, Any] | None]:
     """label -> speculative_config (None: off). "off-sync": off without async scheduling (what
     speculation turns off), only on request (--proposers)."""
-    half = max(1, num_layers // 2)
+    half = args.layer_skip_layers or max(1, num_layers // 2)
+    lookup_min, lookup_max = (int(n) for n in args.ngram_lookup.split("-"))
+    ngram = {**NGRAM, "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max}
     return {
         "off": None,
         "off-sync": None,
-        f"ngram (k={NGRAM['num_speculative_tokens']}, n={NGRAM['prompt_lookup_min']}-"
-        f"{NGRAM['prompt_lookup_max']})": NGRAM,
+        f"ngram (k={ngram['num_speculative_tokens']}, n={lookup_min}-{lookup_max})": ngram,
         f"layer_skip (k={LAYER_SKIP_K}, {half} of {num_layers} layers)":
             {"method": "layer_skip", "num_speculative_tokens": LAYER_SKIP_K, "num_layers": half},
     }
 
 
 # ---- workloads ----------------------------------------------------------------------------
+# Request i of a workload is the same whatever the number of requests (--batches, --waves):
+# batch 1's request is batch 8's first.
 def repetition_dummy(n: int, vocab: int, size: dict, max_tokens: int, seed: int) -> Workload:
-    rng = np.random.default_rng(seed)
     prompts = []
-    for _ in range(n):
+    for i in range(n):
+        rng = np.random.default_rng([seed, i])
         span = rng.integers(3, vocab, size["span"]).tolist()
         prompts.append(rng.integers(3, vocab, size["prefix"]).tolist() + span * 3)
     return Workload("repetition", prompts, [max_tokens] * n)
+
+
+def mixed_workload(n: int, vocab: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+                   seed: int) -> Workload:
+    parts = [make_workload("mixed", 1, prompt_len, output_len, vocab, seed=[seed, i])
+             for i in range(n)]
+    return Workload("mixed", [w.prompts[0] for w in parts], [w.output_lens[0] for w in parts])
 
 
 def stories_docs(engine: Any, stories_bin: Path, story_len: int) -> list[list[int]]:
@@ -206,7 +220,7 @@ def bench_model(name: str, hf_dir: Path, stories_bin: Path | None, args: argpars
     max_batch = max(args.batches)
     n = max_batch * args.waves
     wanted = args.proposers or {"off", "ngram", "layer_skip"}
-    configs = [Config(label, spec) for label, spec in proposers(num_layers).items()
+    configs = [Config(label, spec) for label, spec in proposers(num_layers, args).items()
                if label.split(" ")[0] in wanted]
     if configs[0].label != "off":
         configs.insert(0, Config("off", None))  # the baseline every ratio needs
@@ -218,8 +232,8 @@ def bench_model(name: str, hf_dir: Path, stories_bin: Path | None, args: argpars
         repetition = repetition_stories(n, docs, size, args.max_tokens)
     else:
         repetition = repetition_dummy(n, vocab, size, args.max_tokens, args.seed)
-    mixed = make_workload("mixed", n, size["mixed_prompt"],
-                          (max(1, args.max_tokens // 4), args.max_tokens), vocab, args.seed + 1)
+    mixed = mixed_workload(n, vocab, size["mixed_prompt"],
+                           (max(1, args.max_tokens // 4), args.max_tokens), args.seed + 1)
 
     rows: list[list[Any]] = []
     notes: list[str] = []
@@ -305,6 +319,10 @@ def main() -> None:
     p.add_argument("--proposers", default=None,
                    help="of off,off-sync,ngram,layer_skip (default: off,ngram,layer_skip; "
                         "off always runs; off-sync: off without async scheduling)")
+    p.add_argument("--ngram-lookup", default="1-4",
+                   help="ngram's prompt_lookup_min-prompt_lookup_max (default 1-4)")
+    p.add_argument("--layer-skip-layers", type=int, default=None,
+                   help="layer_skip's num_layers (default: half the model's layers)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="output tokens of a repetition request, the most of a mixed one "
                         "(default 128; --quick: 24)")
@@ -362,7 +380,9 @@ def main() -> None:
         "tokens; mean acceptance length = tokens a drafting request-step yields (1 + accepted "
         "drafts). Steps: engine steps of one timed run. Same greedy tokens: every request of "
         "the warm-up and timed runs equals the off run's. Speculation turns off async "
-        "scheduling, so 'off' (async) is the engine as it ships. No prefix caching.\n\n"
+        "scheduling, so 'off' (async) is the engine as it ships"
+        + (" and 'off-sync' is off without it" if "off-sync" in (args.proposers or ()) else "")
+        + ". No prefix caching.\n\n"
         + markdown_table(["model", "workload", "batch", "proposer", "output tok/s (wall)",
                           "ratio to off (wall)", "ratio to off (CPU)", "acceptance rate",
                           "mean acceptance length", "steps", "same greedy tokens"], rows))

@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # Lowest first. A unit may import only units before it.
 LAYERS = (
-    "jaxserve.default_model", "jaxserve.disaggregation_config", "jaxserve.vllm_args",
+    "jaxserve.default_model", "jaxserve.disaggregation_config", "jaxserve.speculative_config",
+    "jaxserve.vllm_args",
     "jaxserve.config", "jaxserve.inputs",
     "jaxserve.sampling_params", "pallas_kernels", "jaxserve.layers", "jaxserve.models",
     "jaxserve.core", "jaxserve.outputs", "jaxserve.executor", "jaxserve.engine",

@@ -170,14 +170,14 @@ class InputBatch:
                           padded_drafts)
 
     def rows(self, arrays: StepArrays) -> list[RowSpec]:
-        """The sampler's rows: each request's, and before it one per draft, each at its own
+        """The sampler's rows: per request, one for each draft, then its own, each at its own
         step (the key of a seeded draw, and min_tokens, count the tokens before it)."""
         out = []
         for req_id, d in zip(arrays.req_ids, arrays.draft_token_ids):
             row = self.requests[req_id].row
-            out += [dataclasses.replace(row, num_pending=row.num_pending + j)
-                    for j in range(len(d))]
             out.append(row)
+            out += [dataclasses.replace(row, num_pending=row.num_pending + j)
+                    for j in range(1, len(d) + 1)]
         return out
 
     def mark_pending(self, arrays: StepArrays) -> None:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from jaxserve.core.scheduler_output import SpecDecodingStats
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.engine.metrics_reader import ENGINE_COUNTERS, ENGINE_GAUGES
 from jaxserve.outputs import RequestOutput
@@ -40,6 +41,8 @@ class _EngineCollector(Collector):
                 yield self._family(GaugeMetricFamily, prefix, name, doc, value)
             for name, doc, value in shared_counters:
                 yield self._family(CounterMetricFamily, prefix, name, doc, value)
+        if e.spec_decoding is not None:
+            yield from self._spec_decoding(e.spec_decoding)
         for name, doc, value in (
                 ("num_requests_queued", "Accepted requests not running yet (server queue).",
                  s.num_queued),
@@ -51,6 +54,23 @@ class _EngineCollector(Collector):
                 ("engine_step_seconds", "Wall time the engine thread spent in steps.",
                  s.step_seconds)):
             yield self._family(CounterMetricFamily, "jaxserve", name, doc, value)
+
+    def _spec_decoding(self, spec: SpecDecodingStats) -> Iterator[Metric]:
+        for prefix in PREFIXES:
+            for name, doc, value in (
+                    ("spec_decode_num_drafts", "Request-steps that verified drafts.",
+                     spec.num_drafts),
+                    ("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                     spec.num_draft_tokens),
+                    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                     spec.num_accepted_tokens)):
+                yield self._family(CounterMetricFamily, prefix, name, doc, value)
+            family = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in the draft.",
+                                         labels=["model_name", "position"])
+            for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
+                family.add_metric([*self.labels, str(pos)], value)
+            yield family
 
     def _family(self, cls: type, prefix: str, name: str, doc: str, value: float) -> Metric:
         family = cls(f"{prefix}:{name}", doc, labels=["model_name"])
