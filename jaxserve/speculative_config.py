@@ -6,6 +6,8 @@
 
 `disable_by_batch_size`: no drafts in a step once this many requests run (vLLM's
 speculative_disable_by_batch_size), where verification costs more than it saves.
+`adaptive` (default true): the engine measures its output tokens per second with drafting on
+and off and keeps the faster (engine/spec_switch.py); false: drafting always on.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 METHODS = ("ngram", "layer_skip")
 _KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                   "num_layers", "disable_by_batch_size", "model"})
+                   "num_layers", "disable_by_batch_size", "adaptive", "model"})
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, for prompt_lookup_min and _max when neither is given
 
 
@@ -28,6 +30,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP  # ngram: longest suffix matched
     num_layers: int = 0  # layer_skip: the target's first layers that draft
     disable_by_batch_size: int = 0  # 0: never off
+    adaptive: bool = True  # drafting on only while measured faster than off
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,7 +71,11 @@ def normalize_speculative(value: Any, num_model_layers: int | None = None,
         prompt_lookup_max=_int_field({"prompt_lookup_max": lookup_max}, "prompt_lookup_max",
                                      None, low=1),
         num_layers=_int_field(value, "num_layers", 0, low=0),
-        disable_by_batch_size=_int_field(value, "disable_by_batch_size", 0, low=0))
+        disable_by_batch_size=_int_field(value, "disable_by_batch_size", 0, low=0),
+        adaptive=value.get("adaptive", True))
+    if not isinstance(config.adaptive, bool):
+        raise ValueError(f"speculative_config.adaptive must be true or false, got "
+                         f"{config.adaptive!r}")
     if method != "ngram" and ("prompt_lookup_min" in value or "prompt_lookup_max" in value):
         raise ValueError("speculative_config.prompt_lookup_min/max: only for method 'ngram'")
     if config.prompt_lookup_min > config.prompt_lookup_max:

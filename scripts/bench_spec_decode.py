@@ -21,7 +21,7 @@ at once), `--waves` such groups one after the other in a timed run.
     python scripts/bench_spec_decode.py --quick --models dummy    # a smoke run
     python scripts/bench_spec_decode.py --proposers off,off-sync,ngram --ngram-lookup 2-4
 
-`off-sync` (on request): off without async scheduling, which speculation turns off, to tell
+`off-sync` (on request): off without async scheduling, which drafting steps go without, to tell
 what the drafts win from what the lost overlap costs.
 """
 
@@ -63,7 +63,7 @@ GOAL_SPEEDUP, GOAL_SLOWDOWN = 2.0, 0.95
 
 def proposers(num_layers: int, args: argparse.Namespace) -> dict[str, dict[str, Any] | None]:
     """label -> speculative_config (None: off). "off-sync": off without async scheduling (what
-    speculation turns off), only on request (--proposers)."""
+    drafting steps go without), only on request (--proposers)."""
     half = args.layer_skip_layers or max(1, num_layers // 2)
     lookup_min, lookup_max = (int(n) for n in args.ngram_lookup.split("-"))
     ngram = {**NGRAM, "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max}
@@ -71,6 +71,7 @@ def proposers(num_layers: int, args: argparse.Namespace) -> dict[str, dict[str, 
         "off": None,
         "off-sync": None,
         f"ngram (k={ngram['num_speculative_tokens']}, n={lookup_min}-{lookup_max})": ngram,
+        "ngram-always (no adaptive switch)": {**ngram, "adaptive": False},
         f"layer_skip (k={LAYER_SKIP_K}, {half} of {num_layers} layers)":
             {"method": "layer_skip", "num_speculative_tokens": LAYER_SKIP_K, "num_layers": half},
     }
@@ -219,7 +220,7 @@ def bench_model(name: str, hf_dir: Path, stories_bin: Path | None, args: argpars
     vocab, num_layers = hf_config["vocab_size"], hf_config["num_hidden_layers"]
     max_batch = max(args.batches)
     n = max_batch * args.waves
-    wanted = args.proposers or {"off", "ngram", "layer_skip"}
+    wanted = args.proposers or {"off", "ngram", "ngram-always", "layer_skip"}
     configs = [Config(label, spec) for label, spec in proposers(num_layers, args).items()
                if label.split(" ")[0] in wanted]
     if configs[0].label != "off":
@@ -302,7 +303,7 @@ def goal_lines(rows: list[list[Any]]) -> list[str]:
             continue
         if workload == "repetition" and batch == 1 and label.startswith("ngram"):
             met = "met" if wall >= GOAL_SPEEDUP else "NOT met"
-            out.append(f"- {model}, repetition, batch 1, ngram: {wall:.2f}x wall, {cpu:.2f}x "
+            out.append(f"- {model}, repetition, batch 1, {label.split(' ')[0]}: {wall:.2f}x wall, {cpu:.2f}x "
                        f"CPU (goal >= {GOAL_SPEEDUP:g}x: {met})")
         if workload == "mixed" and batch == 8 and not label.startswith("off"):
             met = "met" if wall >= GOAL_SLOWDOWN else "NOT met"
@@ -317,8 +318,9 @@ def main() -> None:
                    help="dummy (dummy-30m) and/or stories (stories260k)")
     p.add_argument("--batches", default="1,8", help="requests submitted together")
     p.add_argument("--proposers", default=None,
-                   help="of off,off-sync,ngram,layer_skip (default: off,ngram,layer_skip; "
-                        "off always runs; off-sync: off without async scheduling)")
+                   help="of off,off-sync,ngram,ngram-always,layer_skip (default: all but "
+                        "off-sync; off always runs; off-sync: off without async scheduling; "
+                        "ngram-always: drafting never switched off)")
     p.add_argument("--ngram-lookup", default="1-4",
                    help="ngram's prompt_lookup_min-prompt_lookup_max (default 1-4)")
     p.add_argument("--layer-skip-layers", type=int, default=None,
@@ -379,8 +381,10 @@ def main() -> None:
         "this process (steadier on a shared machine). Acceptance rate = accepted / drafted "
         "tokens; mean acceptance length = tokens a drafting request-step yields (1 + accepted "
         "drafts). Steps: engine steps of one timed run. Same greedy tokens: every request of "
-        "the warm-up and timed runs equals the off run's. Speculation turns off async "
-        "scheduling, so 'off' (async) is the engine as it ships"
+        "the warm-up and timed runs equals the off run's. A drafting step waits for the step "
+        "before it (no async overlap); by default the engine measures its tokens/s drafting "
+        "and not and keeps the faster ('ngram-always' never switches drafting off); 'off' "
+        "(async) is the engine as it ships"
         + (" and 'off-sync' is off without it" if "off-sync" in (args.proposers or ()) else "")
         + ". No prefix caching.\n\n"
         + markdown_table(["model", "workload", "batch", "proposer", "output tok/s (wall)",

@@ -84,6 +84,10 @@ class Request:
     group_id: str | None = None  # the parent request of n > 1 samples, which share the prompt
     kv_transfer: KVTransfer | None = None
     structured_output: Any = None  # StructuredOutputRequest: its grammar's matcher
+    # Speculative decoding: verifications in a row that accepted no draft, and the scheduler
+    # step before which it drafts no more (backing off while drafts keep missing).
+    draft_misses: int = 0
+    drafts_resume_step: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -10,7 +10,8 @@ of the waiting queue (its prefix usually comes back from the cache).
 Speculative decoding: a decoding request also gets its drafts as inputs after its last token
 (n-gram drafts from its own tokens, or -1 slots the step fills on the device), verified in the
 same step; `update_from_output` takes back the computed tokens of rejected drafts, whose KV is
-simply overwritten later.
+simply overwritten later. A request whose drafts keep missing backs off (no drafts for 2, 4, ..
+MAX_DRAFT_BACKOFF steps), so a workload that speculation cannot help runs as without it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput,
                                             SchedulerOutput, SpecDecodingStats)
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.core.structured_output import grammar_bitmask
+
+MAX_DRAFT_BACKOFF = 64  # steps
 
 
 @dataclass(slots=True)
@@ -75,6 +78,7 @@ class Scheduler:
         self._failed: list[EngineCoreOutput] = []
         self.spec = config.speculative_config
         self.spec_stats = SpecDecodingStats() if self.spec is not None else None
+        self.drafting = True  # the engine's switch (off while drafting measures slower)
         self.timings = StepTimings()
 
     # ---- requests in and out -------------------------------------------------------------
@@ -213,14 +217,27 @@ class Scheduler:
             i += 1
         return budget
 
-    def _drafts(self, request: Request, budget: int) -> list[int]:
-        """A decoding request's drafts for this step: none when speculation is off (or off at
-        this batch size), for a request whose tokens need its host history (penalties, a
-        grammar), or past max_tokens, max_model_len or the budget."""
+    def may_draft(self, request: Request) -> bool:
+        """Whether the request may get drafts: speculation on (and not off at this batch
+        size), not backing off, and its tokens not bound to its host history (penalties, a
+        grammar)."""
         spec = self.spec
-        if spec is None or request.num_output_placeholders \
-                or request.sampling_params.needs_host_history \
-                or 0 < spec.disable_by_batch_size <= len(self.running):
+        return (spec is not None and self.drafting
+                and request.drafts_resume_step <= self.num_steps
+                and not request.sampling_params.needs_host_history
+                and not 0 < spec.disable_by_batch_size <= len(self.running))
+
+    def wants_drafts(self) -> bool:
+        """Whether a running request may get drafts next step: they follow the tokens of the
+        step before, so that step must be finished first (no async scheduling)."""
+        return self.spec is not None and any(
+            not _is_prefilling(r) and self.may_draft(r) for r in self.running)
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """A decoding request's drafts for this step: none unless `may_draft`, while its last
+        token is still being sampled, or past max_tokens, max_model_len or the budget."""
+        spec = self.spec
+        if request.num_output_placeholders or not self.may_draft(request):
             return []
         k = min(spec.num_speculative_tokens, budget,
                 request.max_tokens - request.num_output_tokens - 1,
@@ -438,6 +455,7 @@ class Scheduler:
                 # accepted token (the sampled one after it is the next input).
                 request.num_computed_tokens -= drafted - (len(tokens) - 1)
                 self.spec_stats.record(drafted, len(tokens) - 1)
+                self._back_off_drafts(request, accepted=len(tokens) > 1)
             # Every step that writes this KV has been launched (with async scheduling, the next
             # one too), so its full blocks of known tokens may now be hit by others.
             self.kv.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
@@ -447,6 +465,14 @@ class Scheduler:
             outputs.append(self._append_tokens(request, tokens, lp,
                                                result.prompt_logprobs.get(req_id)))
         return outputs
+
+    def _back_off_drafts(self, request: Request, accepted: bool) -> None:
+        if accepted:
+            request.draft_misses = 0
+            return
+        request.draft_misses += 1
+        request.drafts_resume_step = self.num_steps + min(2 ** request.draft_misses,
+                                                          MAX_DRAFT_BACKOFF)
 
     def _append_tokens(self, request: Request, tokens: list[int],
                        logprobs: list[Logprobs] | None,

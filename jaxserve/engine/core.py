@@ -7,8 +7,8 @@ counts the ids in flight as placeholders: a decode is scheduled again before its
 known, and the model runner feeds it that token from the device. A request that stops on a
 token sampled at N has already had one more token computed at N+1, which is dropped. Requests
 with penalties or a grammar need their whole history on the host, so while one runs the core
-waits for N before scheduling N+1. So does every step with speculative decoding on: its drafts
-follow the tokens that step N accepts.
+waits for N before scheduling N+1. So does speculative decoding, while a step N carries
+drafts (N+1's positions follow what N accepts) or a request may draft at N+1 (from N's tokens).
 
 A step that raises while it is prepared, launched or read back fails the requests it carried
 (finish reason "error", blocks freed) and the engine goes on, unless the device state is lost
@@ -25,6 +25,7 @@ WAITING_FOR_REMOTE_KVS), and then run on as if that prompt had been a prefix-cac
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from jaxserve.config import EngineConfig
@@ -34,6 +35,7 @@ from jaxserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput, Sp
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.engine.dp_router import DPRouter
 from jaxserve.engine.kv_connector import KVConnector, KVTransferStats
+from jaxserve.engine.spec_switch import SpeculationSwitch
 from jaxserve.executor.executor import Executor, PendingStep, UnexpectedCompilationError
 from jaxserve.models.loaded_model import LoadedModel
 
@@ -96,7 +98,6 @@ class EngineCore:
                 and spec.num_layers >= self.model_config.num_layers:
             raise ValueError(f"speculative_config.num_layers ({spec.num_layers}) must be below "
                              f"the model's {self.model_config.num_layers} layers")
-        self.async_scheduling = config.scheduler.async_scheduling and spec is None
         hash_seed = config.cache.prefix_caching_hash_seed
         self.schedulers = [
             Scheduler(config.scheduler, config.cache, b.num_kv_blocks, b.max_model_len,
@@ -105,6 +106,7 @@ class EngineCore:
                       max_sending=max_sending)
             for b in built]
         self.router = DPRouter(self.schedulers)
+        self.spec_switch = SpeculationSwitch() if spec is not None and spec.adaptive else None
         self.num_steps = 0
         self.timings = StepTimings()  # schedule and update; the runners time their phases
         self._in_flight: InFlight | None = None
@@ -146,8 +148,20 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Launch a step and return the tokens of the step before it (with async scheduling) or
         of this one."""
+        if self.spec_switch is None:
+            return self._step()
+        start = time.perf_counter()
+        outputs = self._step()
+        drafting = self.spec_switch.record(sum(len(o.new_token_ids) for o in outputs),
+                                           time.perf_counter() - start)
+        for scheduler in self.schedulers:
+            scheduler.drafting = drafting
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        if self._in_flight is not None and self._needs_host_history():
+        if self._in_flight is not None and (self._needs_host_history()
+                                            or self._speculating(self._in_flight)):
             outputs += self.finish(self._in_flight)
             self._in_flight = None
         if self.connector is not None:
@@ -157,7 +171,7 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, None if launched.failed else launched
         if previous is not None:
             outputs += self.finish(previous)
-        if not self.async_scheduling and self._in_flight is not None:
+        if not self.config.scheduler.async_scheduling and self._in_flight is not None:
             outputs += self.finish(self._in_flight)
             self._in_flight = None
         self.num_steps += 1
@@ -243,6 +257,11 @@ class EngineCore:
                 self.router.forget(req_id)
                 outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=error))
         return outputs
+
+    def _speculating(self, in_flight: InFlight) -> bool:
+        """Whether the step in flight carries drafts, or a request may draft next."""
+        return any(sched.scheduled_spec_decode_tokens for sched in in_flight.scheds) or any(
+            s.wants_drafts() for s in self.schedulers)
 
     def _needs_host_history(self) -> bool:
         """Whether a request with tokens in flight needs its history on the host (penalties,

@@ -14,8 +14,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compile_check import device_model_config, prepare
 from jaxserve.executor.input_batch import StepArrays
-from jaxserve.executor.model_runner import (ProgramKey, num_speculative_tokens, step_buckets,
-                                           step_inputs, warm_up_programs)
+from jaxserve.executor.model_runner import (ProgramKey, device_draft_statics,
+                                           num_speculative_tokens, step_buckets, step_key,
+                                           warm_up_programs)
 from jaxserve.executor.packing import pack
 from jaxserve.executor.targets import Target
 from jaxserve.layers.sampler import SamplingMetadata
@@ -37,14 +38,14 @@ def compile_all(compiler: ProgramCompiler,
     programs: dict[ProgramKey, Any] = {}
     left: dict[ProgramKey, str] = {}
     for arrays, sampling in warm_ups:
-        step_key = ("step", step_inputs(arrays)[1])
-        if step_key not in programs:
-            programs[step_key] = compiler.compile_step(arrays)
+        key = step_key(arrays)
+        if key not in programs:
+            programs[key] = compiler.compile_step(arrays)
         sample_key = ("sample", pack(sampling)[1])
         if sample_key not in programs and sample_key not in left:
             try:
                 programs[sample_key] = compiler.compile_sampler(
-                    sampling, programs[step_key].out_info[2])
+                    sampling, programs[key].out_info[2])
             except Exception as e:  # noqa: BLE001 - reported; the device compiles it at start
                 left[sample_key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return programs, left
@@ -67,7 +68,8 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
     token_buckets, request_buckets = step_buckets(config)
     programs, left = compile_all(program, warm_up_programs(
         token_buckets, request_buckets, program.max_blocks_per_seq, cfg.eos_token_ids,
-        config.model.max_logprobs, cfg.vocab_size, num_speculative_tokens(config)))
+        config.model.max_logprobs, cfg.vocab_size, num_speculative_tokens(config),
+        device_draft_statics(config)[0] > 0))
     kv = program.kv
     programs[compiled_dir.KV_INIT] = jax.jit(
         lambda: (jnp.zeros(kv.shape, kv.dtype), jnp.zeros(kv.shape, kv.dtype)),

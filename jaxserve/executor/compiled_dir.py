@@ -56,6 +56,8 @@ def fingerprint(config: EngineConfig, model: LlamaConfig, *, platform: str, devi
           "model": dataclasses.asdict(model), "num_blocks": num_blocks,
           "resolved_max_model_len": max_model_len,
           **{name: args[name] for name in SHAPE_ARGS}}
+    spec = config.scheduler.speculative_config  # drafts shape the programs: k, layer skip
+    fp["speculative_config"] = None if spec is None else spec.to_dict()
     if versions:
         fp["versions"] = _versions()
     return json.loads(json.dumps(fp))

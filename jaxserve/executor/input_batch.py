@@ -49,12 +49,15 @@ class StepArrays:
     draft_token_ids: list[list[int]]  # per request: its drafts (inputs after its last token)
     draft_starts: np.ndarray  # i32[R_padded]  the row of each request's last known token
     num_drafts: np.ndarray  # i32[R_padded]    its drafts (0: none; padding)
+    device_drafts: bool = False  # the drafts are proposed by the step (layer skip)
 
     @staticmethod
     def empty(num_tokens: int, num_reqs: int, max_blocks_per_seq: int,
-              num_sample_rows: int | None = None) -> "StepArrays":
+              num_sample_rows: int | None = None, device_drafts: bool = False,
+              ) -> "StepArrays":
         """A step of only padding, in the (num_tokens, num_reqs, num_sample_rows) bucket
-        (one sample row per request by default): what warm-up runs."""
+        (one sample row per request by default), of the drafting program or not: what
+        warm-up runs."""
         T, R = num_tokens, num_reqs
         S = R if num_sample_rows is None else num_sample_rows
         zeros = np.zeros(T, np.int32)
@@ -66,7 +69,8 @@ class StepArrays:
                           logits_indices=np.zeros(S, np.int32),
                           completes_sequence=np.zeros(0, bool),
                           sample_starts=np.zeros(1, np.int32), draft_token_ids=[],
-                          draft_starts=np.zeros(R, np.int32), num_drafts=np.zeros(R, np.int32))
+                          draft_starts=np.zeros(R, np.int32), num_drafts=np.zeros(R, np.int32),
+                          device_drafts=device_drafts)
 
 
 def pick_bucket(buckets: list[int], n: int, what: str) -> int:
@@ -108,9 +112,10 @@ class InputBatch:
 
     def prepare(self, sched: SchedulerOutput, token_buckets: list[int],
                 request_buckets: list[int], running_rows: Mapping[str, int],
-                num_speculative_tokens: int = 0) -> StepArrays:
+                num_speculative_tokens: int = 0, drafts_on_device: bool = False) -> StepArrays:
         """`running_rows`: request -> its sample row in the step still running, for the
-        requests whose next input that step samples (async scheduling)."""
+        requests whose next input that step samples (async scheduling). `drafts_on_device`:
+        the step proposes the drafts (layer skip), in the drafting program."""
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(req_ids))
@@ -152,7 +157,8 @@ class InputBatch:
         sample_starts = np.zeros(len(req_ids) + 1, np.int32)
         np.cumsum(num_drafts + 1, out=sample_starts[1:])
         num_rows = int(sample_starts[-1])
-        S = R if num_rows <= R else min(T, R * (1 + num_speculative_tokens))
+        device_drafts = drafts_on_device and num_rows > len(req_ids)
+        S = R if num_rows <= R and not device_drafts else min(T, R * (1 + num_speculative_tokens))
         logits_indices = np.zeros(S, np.int32)
         # Request i's rows: the query rows of its last num_drafts[i] + 1 tokens.
         row_request = np.repeat(np.arange(len(req_ids)), num_drafts + 1)
@@ -167,7 +173,7 @@ class InputBatch:
         return StepArrays(req_ids, input_ids, prev_rows, positions, slot_mapping,
                           query_start_loc, seq_lens, block_tables, logits_indices,
                           (starts + counts) >= lengths, sample_starts, drafts, draft_starts,
-                          padded_drafts)
+                          padded_drafts, device_drafts)
 
     def rows(self, arrays: StepArrays) -> list[RowSpec]:
         """The sampler's rows: per request, one for each draft, then its own, each at its own

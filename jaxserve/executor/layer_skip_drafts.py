@@ -1,6 +1,7 @@
 """Self-speculation on the device: drafts from the target's own first layers (layer skip).
 
-Inside the step, before the full model runs: `num_drafts` decode iterations over the step's
+Inside the step (its drafting program: steps without drafts run the plain one), before the
+full model runs: `num_drafts` decode iterations over the step's
 drafting requests, each through the first `num_layers` layers, the final norm and the LM head,
 taking the argmax. Those layers' KV is the target's own (same weights, same tokens, same
 positions), so the drafts write it straight into the target's cache at the draft slots the
@@ -42,10 +43,8 @@ def layer_skip_drafts(model: Llama, backend: AttentionBackend, num_layers: int,
         return token, drafts.at[:, j].set(token), k_cache, v_cache
 
     drafts = jnp.zeros((num_rows, max_drafts), jnp.int32)
-    _, drafts, k_cache, v_cache = jax.lax.cond(
-        jnp.any(num_drafts > 0),
-        lambda c: jax.lax.fori_loop(0, max_drafts, draft, c),
-        lambda c: c, (input_ids[start], drafts, k_cache, v_cache))
+    _, drafts, k_cache, v_cache = jax.lax.fori_loop(
+        0, max_drafts, draft, (input_ids[start], drafts, k_cache, v_cache))
     slots = jnp.arange(max_drafts, dtype=jnp.int32)[None, :]
     targets = jnp.where(slots < num_drafts[:, None], start[:, None] + 1 + slots,
                         input_ids.shape[0])                           # out of range: dropped

@@ -70,6 +70,7 @@ class _LastStep(NamedTuple):
     """What `time_last_step` re-runs: the last step's inputs and the cache it wrote (any other
     write to the cache makes a replay unsafe). The packed inputs are kept on the host: keeping
     their device copies alive made every decode step ~1.4x slower (dummy model, CPU)."""
+    arrays: StepArrays
     layout: PackedLayout
     prev_sampled: jax.Array
     inputs: np.ndarray  # packed, on the host
@@ -195,19 +196,30 @@ def device_draft_statics(config: EngineConfig) -> tuple[int, int]:
     return spec.num_layers, spec.num_speculative_tokens
 
 
-def sample_row_buckets(T: int, R: int, num_drafts: int) -> list[int]:
-    """The sample-row counts S a (T, R) step is compiled for: R (one row a request, which
-    also holds drafts that fit in the padding), and with speculation the most rows it can
-    have: every request drafting, bounded by the tokens."""
-    return sorted({R, min(T, R * (1 + num_drafts))})
+def step_variants(T: int, R: int, num_drafts: int, device_drafts: bool,
+                  ) -> list[tuple[int, bool]]:
+    """The (sample rows S, drafts on the device) variants a (T, R) step is compiled for: S = R
+    without drafts (or host drafts that fit in the rows' padding), and with speculation the
+    most rows a step can sample (every request drafting, bounded by the tokens), drafting on
+    the device for layer skip (a separate program, so steps without drafts do not carry it)."""
+    variants = [(R, False)]
+    if num_drafts:
+        most = min(T, R * (1 + num_drafts))
+        if most > R or device_drafts:
+            variants.append((most, device_drafts))
+    return variants
 
 
 def max_sample_rows(config: EngineConfig) -> int:
     """The length of `prev_sampled`: the most rows any step samples."""
     token_buckets, request_buckets = step_buckets(config)
     k = num_speculative_tokens(config)
-    return max(sample_row_buckets(T, R, k)[-1] for T, R in bucket_pairs(token_buckets,
-                                                                         request_buckets))
+    return max(min(T, R * (1 + k)) for T, R in bucket_pairs(token_buckets, request_buckets))
+
+
+def step_key(arrays: StepArrays) -> ProgramKey:
+    """The model program of a step: its packed layout, and whether it drafts on the device."""
+    return ("step_drafting" if arrays.device_drafts else "step", step_inputs(arrays)[1])
 
 
 def step_inputs(arrays: StepArrays) -> tuple[np.ndarray, PackedLayout]:
@@ -222,9 +234,10 @@ def step_inputs(arrays: StepArrays) -> tuple[np.ndarray, PackedLayout]:
 def warm_up_programs(token_buckets: list[int], request_buckets: list[int],
                      max_blocks_per_seq: int, eos_token_ids: tuple[int, ...],
                      max_logprobs: int, vocab_size: int = 0, num_drafts: int = 0,
+                     device_drafts: bool = False,
                      ) -> list[tuple[StepArrays, SamplingMetadata]]:
-    """The steps warm-up runs: the model for every (token bucket, request bucket, sample rows)
-    of `sample_row_buckets`, and the sampler for every sample-row count: greedy and sampled,
+    """The steps warm-up runs: the model for every (token bucket, request bucket) and each of
+    its `step_variants`, and the sampler for every sample-row count: greedy and sampled,
     without and with logprobs, without and (given `vocab_size`) with a grammar bitmask.
     Penalties compile the sampler (only) for each new history width on first use."""
     logprobs_widths = [0, logprobs_width(max_logprobs)]
@@ -232,7 +245,7 @@ def warm_up_programs(token_buckets: list[int], request_buckets: list[int],
     sampler_done: set[int] = set()
     out = []
     for T, R in bucket_pairs(token_buckets, request_buckets):
-        for S in sample_row_buckets(T, R, num_drafts):
+        for S, drafting in step_variants(T, R, num_drafts, device_drafts):
             # The sampler's shapes depend on S only: all of its variants with the first T.
             variants = [(True, 0, 0)] if S in sampler_done else [
                 (greedy, n, w) for greedy in (True, False) for n in logprobs_widths
@@ -244,7 +257,7 @@ def warm_up_programs(token_buckets: list[int], request_buckets: list[int],
                     token_bitmask=np.full((S, words), -1, np.int32) if words else None)
                 if not greedy:
                     sampling = dataclasses.replace(sampling, all_greedy=False)
-                out.append((StepArrays.empty(T, R, max_blocks_per_seq, S), sampling))
+                out.append((StepArrays.empty(T, R, max_blocks_per_seq, S, drafting), sampling))
     return out
 
 
@@ -280,8 +293,10 @@ class ModelRunner:
         # Module-level jits (_step, _sample): engines with the same model structure and step
         # shapes share compiled executables within a process.
         graphdef, self.params = nnx.split(model)
-        self.statics = StepStatics(graphdef, backend, self.kv_sharding,
-                                   *device_draft_statics(config))
+        self.statics = StepStatics(graphdef, backend, self.kv_sharding)
+        draft_layers, max_drafts = device_draft_statics(config)
+        self.draft_statics = StepStatics(graphdef, backend, self.kv_sharding, draft_layers,
+                                         max_drafts) if draft_layers else None
         # The last launched step's sampled ids, and the rows whose next input they are.
         self.prev_sampled = jax.device_put(np.zeros(max_sample_rows(config), np.int32),
                                            NamedSharding(mesh, P()))
@@ -307,7 +322,8 @@ class ModelRunner:
             if sched.is_empty:
                 return None
             arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets,
-                                        self.running_rows, self.num_drafts)
+                                        self.running_rows, self.num_drafts,
+                                        self.draft_statics is not None)
             rows = self.batch.rows(arrays)
             # One logprobs width for every step that wants any: one shape.
             wants_logprobs = any(row.params.logprobs is not None for row in rows)
@@ -358,18 +374,20 @@ class ModelRunner:
              ) -> tuple[SamplerOutput, TokenLogprobs | None, jax.Array | None]:
         inputs, layout = step_inputs(arrays)
         prev, prompt_out = self.prev_sampled, None
+        shape = (len(arrays.input_ids), len(arrays.seq_lens), len(arrays.logits_indices),
+                 arrays.device_drafts)
         if prompt_plan is not None:
             num_top = self.config.model.max_logprobs
-            self._count_shape(("step_prompt_logprobs", len(arrays.input_ids),
-                               len(arrays.seq_lens), len(arrays.logits_indices), num_top))
+            self._count_shape(("step_prompt_logprobs", *shape, num_top))
             self.k_cache, self.v_cache, logits, drafts, prompt_out = _step_prompt_logprobs(
-                self.statics, layout, num_top, self.params, self.k_cache, self.v_cache, prev,
-                replicate(inputs, self.mesh), replicate(prompt_plan.targets, self.mesh))
+                self._statics(arrays), layout, num_top, self.params, self.k_cache,
+                self.v_cache, prev, replicate(inputs, self.mesh),
+                replicate(prompt_plan.targets, self.mesh))
         else:
-            if ("step", layout) not in self.executables:
-                self._count_shape(("step", len(arrays.input_ids), len(arrays.seq_lens),
-                                   len(arrays.logits_indices)))
-            logits, drafts = self._call_step(layout, prev, replicate(inputs, self.mesh))
+            key = step_key(arrays)
+            if key not in self.executables:
+                self._count_shape((key[0], *shape))
+            logits, drafts = self._call_step(arrays, layout, prev, replicate(inputs, self.mesh))
         sampling_inputs, sampling_layout = pack(sampling)
         if ("sample", sampling_layout) not in self.executables:
             self._count_shape(("sample", len(arrays.logits_indices),
@@ -380,17 +398,20 @@ class ModelRunner:
                                sampling.num_logprobs))
         out, self.prev_sampled = self._call_sampler(sampling_layout, logits, prev,
                                                     replicate(sampling_inputs, self.mesh))
-        self._last_step = _LastStep(layout, prev, inputs, sampling_layout, sampling_inputs,
-                                    weakref.ref(self.k_cache))
-        return out, prompt_out, drafts if self.statics.draft_layers else None
+        self._last_step = _LastStep(arrays, layout, prev, inputs, sampling_layout,
+                                    sampling_inputs, weakref.ref(self.k_cache))
+        return out, prompt_out, drafts if arrays.device_drafts else None
 
-    def _call_step(self, layout: PackedLayout, prev: jax.Array, inputs: jax.Array,
-                   ) -> tuple[jax.Array, jax.Array]:
+    def _statics(self, arrays: StepArrays) -> StepStatics:
+        return self.draft_statics if arrays.device_drafts else self.statics
+
+    def _call_step(self, arrays: StepArrays, layout: PackedLayout, prev: jax.Array,
+                   inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The model step: (logits f32[S, V], device drafts i32[R, max_drafts])."""
         args = (self.params, self.k_cache, self.v_cache, prev, inputs)
-        step = self.executables.get(("step", layout))
+        step = self.executables.get(step_key(arrays))
         self.k_cache, self.v_cache, logits, drafts = (
-            _step(self.statics, layout, *args) if step is None else step(*args))
+            _step(self._statics(arrays), layout, *args) if step is None else step(*args))
         return logits, drafts
 
     def _call_sampler(self, layout: PackedLayout, logits: jax.Array, prev: jax.Array,
@@ -413,7 +434,7 @@ class ModelRunner:
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            logits, _ = self._call_step(last.layout, last.prev_sampled,
+            logits, _ = self._call_step(last.arrays, last.layout, last.prev_sampled,
                                         replicate(last.inputs, self.mesh))
             jax.block_until_ready(self._call_sampler(
                 last.sampling_layout, logits, last.prev_sampled,
@@ -503,17 +524,18 @@ class ModelRunner:
     def warm_up_programs(self) -> list[tuple[StepArrays, SamplingMetadata]]:
         return warm_up_programs(self.token_buckets, self.request_buckets, self.max_blocks_per_seq,
                                 self.eos_token_ids, self.config.model.max_logprobs,
-                                self.model.cfg.vocab_size, self.num_drafts)
+                                self.model.cfg.vocab_size, self.num_drafts,
+                                self.draft_statics is not None)
 
     def _loaded(self, arrays: StepArrays, sampling: SamplingMetadata) -> bool:
-        return (("step", step_inputs(arrays)[1]) in self.executables
+        return (step_key(arrays) in self.executables
                 and ("sample", pack(sampling)[1]) in self.executables)
 
     def compile_step(self, arrays: StepArrays) -> Any:
         """The model step for this bucket compiled (not run): what `jaxserve compile` saves."""
         inputs, layout = step_inputs(arrays)
-        return _step.trace(self.statics, layout, self.params, self.k_cache, self.v_cache,
-                           self.prev_sampled, inputs).lower().compile()
+        return _step.trace(self._statics(arrays), layout, self.params, self.k_cache,
+                           self.v_cache, self.prev_sampled, inputs).lower().compile()
 
     def compile_sampler(self, sampling: SamplingMetadata, logits: jax.ShapeDtypeStruct) -> Any:
         inputs, layout = pack(sampling)

@@ -18,8 +18,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.executor.sharding import kv_cache_sharding
 from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.model_runner import (StepStatics, _sample, _step, bucket_pairs,
-                                            device_draft_statics, max_sample_rows, num_speculative_tokens,
-                                            sample_row_buckets, step_buckets, step_inputs)
+                                            device_draft_statics, max_sample_rows,
+                                            num_speculative_tokens, step_buckets, step_inputs,
+                                            step_variants)
 from jaxserve.executor.packing import pack
 from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.layers.attention import AttentionBackend
@@ -34,20 +35,22 @@ class StepProgram:
     kv: jax.ShapeDtypeStruct
     prev_sampled: jax.ShapeDtypeStruct
     max_blocks_per_seq: int
+    draft_statics: StepStatics | None = None  # layer skip: the drafting program's
 
     @property
     def mesh(self) -> Any:
         return self.statics.kv_sharding.mesh
 
     def compile(self, num_tokens: int, num_reqs: int, num_sample_rows: int | None = None,
-                ) -> Any:
+                device_drafts: bool = False) -> Any:
         return self.compile_step(StepArrays.empty(num_tokens, num_reqs, self.max_blocks_per_seq,
-                                                  num_sample_rows))
+                                                  num_sample_rows, device_drafts))
 
     def compile_step(self, arrays: StepArrays) -> Any:
         inputs, layout = step_inputs(arrays)
+        statics = self.draft_statics if arrays.device_drafts else self.statics
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # Pallas TPU lowering
-            lowered = _step.trace(self.statics, layout, self.state, self.kv, self.kv,
+            lowered = _step.trace(statics, layout, self.state, self.kv, self.kv,
                                   self.prev_sampled, self.replicated(inputs)).lower()
         return lowered.compile()
 
@@ -75,9 +78,11 @@ def step_program(graphdef: nnx.GraphDef, state: Any, cfg: LlamaConfig, config: E
                                 sharding=NamedSharding(mesh, P()))
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                          state)
-    return StepProgram(StepStatics(graphdef, backend, kv_sharding, *device_draft_statics(config)),
-                       state, kv, prev,
-                       -(-max_model_len // bs))
+    draft_layers, max_drafts = device_draft_statics(config)
+    drafting = StepStatics(graphdef, backend, kv_sharding, draft_layers, max_drafts) \
+        if draft_layers else None
+    return StepProgram(StepStatics(graphdef, backend, kv_sharding), state, kv, prev,
+                       -(-max_model_len // bs), drafting)
 
 
 def largest_step_temp_bytes(graphdef: nnx.GraphDef, state: Any, cfg: LlamaConfig,
@@ -88,7 +93,8 @@ def largest_step_temp_bytes(graphdef: nnx.GraphDef, state: Any, cfg: LlamaConfig
     min_blocks = -(-max_model_len // config.cache.block_size) + 1
     program = step_program(graphdef, state, cfg, config, backend, min_blocks, max_model_len)
     T, R = max(bucket_pairs(*step_buckets(config)))
-    compiled = program.compile(T, R, sample_row_buckets(T, R, num_speculative_tokens(config))[-1])
+    compiled = program.compile(T, R, *step_variants(
+        T, R, num_speculative_tokens(config), program.draft_statics is not None)[-1])
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 

@@ -32,6 +32,20 @@ def test_greedy_tokens_equal_single_device(gqa8, compile_cache_dir, tp, dp, back
     assert_no_leaks(llm.engine)
 
 
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False},
+    {"method": "layer_skip", "num_speculative_tokens": 2, "num_layers": 1, "adaptive": False}],
+    ids=["ngram", "layer_skip"])
+def test_speculation_under_tp_and_dp_gives_the_same_greedy_tokens(gqa8, compile_cache_dir, spec):
+    path, prompts, expected = gqa8
+    llm = LLM(str(path), tensor_parallel_size=2, data_parallel_size_local=2,
+              speculative_config=spec, compilation_cache_dir=compile_cache_dir, **SMALL_ENGINE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.stats().spec_decoding.num_draft_tokens > 0
+    assert_no_leaks(llm.engine)
+
+
 def _device0_bytes(arrays) -> int:
     dev = jax.devices()[0]
     return sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == dev)
