@@ -3,7 +3,7 @@
 One process, one engine per proposer (speculation off, ngram prompt lookup, layer_skip
 self-speculation from the target's first half of layers), all holding the same weights. For
 each model, workload and batch size every engine gets a warm-up run of the very workload it
-is then timed on (so its programs are compiled before timing), then `--repeats` timed runs,
+is then timed on (every program is compiled at start: precompile), then `--repeats` timed runs,
 engines alternating so that a shared machine's drift hits all of them alike; the best run
 counts. Greedy, EOS ignored, fixed output lengths: every engine must produce the same tokens.
 
@@ -40,10 +40,12 @@ from bench_common import (Workload, dummy_hf_checkpoint, find_stories, make_engi
 
 # Buckets from 1 (as in bench_throughput_vs_hf): a batch-1 decode step without drafts must not
 # pay for padded rows that a drafting step fills. No prefix caching: every run of a workload
-# (warm-up, repeats) does the same prefill work. No precompile: the warm-up run compiles
-# exactly the shapes its timed runs use (greedy: the same steps every run).
+# (warm-up, repeats) does the same prefill work. Precompile: which steps draft depends on
+# timing (the adaptive switch), so a warm-up run need not meet every shape a timed run does.
 ENGINE_ARGS = dict(load_format="hf", dtype="float32", block_size=16,
-                   enable_prefix_caching=False, precompile=False)
+                   enable_prefix_caching=False, precompile=True)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512)  # few: every engine compiles them all
+REQUEST_BUCKETS = (1, 8, 16, 32, 64)
 SIZES = {  # full run / --quick
     False: dict(max_model_len=512, num_kv_blocks=512, max_num_batched_tokens=512,
                 max_tokens=128, repeats=2, waves=2, span=32, prefix=16, mixed_prompt=(16, 256),
@@ -183,12 +185,11 @@ def build(cfg: Config, hf_dir: Path, size: dict, max_batch: int) -> None:
     args = {k: size[k] for k in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens")}
     if cfg.label == "off-sync":
         args["async_scheduling"] = False
-    buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-               if b <= args["max_num_batched_tokens"]]
+    buckets = [b for b in TOKEN_BUCKETS if b <= args["max_num_batched_tokens"]]
     try:
         cfg.engine = make_engine(hf_dir, max_num_seqs=max_batch, token_buckets=buckets,
-                                 request_buckets=sorted({min(b, max_batch) for b in
-                                                         (1, 2, 4, 8, 16, 32, 64)}),
+                                 request_buckets=sorted({min(b, max_batch)
+                                                         for b in REQUEST_BUCKETS}),
                                  speculative_config=cfg.spec, **args, **ENGINE_ARGS)
     except (ValueError, NotImplementedError) as e:
         if cfg.spec is None:

@@ -107,6 +107,7 @@ class EngineCore:
             for b in built]
         self.router = DPRouter(self.schedulers)
         self.spec_switch = SpeculationSwitch() if spec is not None and spec.adaptive else None
+        self._last_step_end: float | None = None
         self.num_steps = 0
         self.timings = StepTimings()  # schedule and update; the runners time their phases
         self._in_flight: InFlight | None = None
@@ -150,12 +151,16 @@ class EngineCore:
         of this one."""
         if self.spec_switch is None:
             return self._step()
-        start = time.perf_counter()
+        # Wall time from the end of the step before (the caller's work on its outputs
+        # included: with async scheduling the device runs meanwhile), or from now after idling.
+        start = time.perf_counter() if self._last_step_end is None else self._last_step_end
         outputs = self._step()
+        end = time.perf_counter()
         drafting = self.spec_switch.record(sum(len(o.new_token_ids) for o in outputs),
-                                           time.perf_counter() - start)
+                                           end - start)
         for scheduler in self.schedulers:
             scheduler.drafting = drafting
+        self._last_step_end = end if self.has_unfinished_requests() else None
         return outputs
 
     def _step(self) -> list[EngineCoreOutput]:

@@ -2,15 +2,16 @@
 
 Drafting costs a bigger step and, since drafts follow the tokens of the step before, the
 overlap of async scheduling; what it saves depends on the acceptance, the batch, the model and
-the machine. So the engine measures rather than guesses: it runs `window` steps each way, keeps
-the faster for `hold` windows, then measures both again (the workload may have changed).
+the machine. So the engine measures rather than guesses: it runs `window` steps each way (wall
+time between steps: the caller's work counts, which async scheduling overlaps), keeps the
+faster for `hold` windows, then measures both again (the workload may have changed).
 """
 
 from __future__ import annotations
 
 
 class SpeculationSwitch:
-    def __init__(self, window: int = 8, hold: int = 12):
+    def __init__(self, window: int = 16, hold: int = 12):
         self.window, self.hold = window, hold
         self.on = True
         self._rates: dict[bool, float] = {}

@@ -53,9 +53,8 @@ SETTINGS = {
 def test_greedy_tokens_equal_hf_with_speculation(llama, expected, compile_cache_dir, name):
     llm = LLM(str(llama), compilation_cache_dir=compile_cache_dir,
               **(SMALL_ENGINE | SETTINGS[name]))
-    outs = llm.generate([{"prompt_token_ids": p} for p in spec_workload()],
-                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
+    outs = generate(llm, spec_workload(), temperature=0.0, max_tokens=MAX_TOKENS,
+                    ignore_eos=True)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.stats()
     spec = stats.spec_decoding

@@ -39,6 +39,17 @@ def test_vllms_flags_parse_and_reach_the_engine_config(tmp_path: Path):
         EngineConfig.from_kwargs(**serve_kwargs("-dp", "2", "--data-parallel-size-local", "1"))
 
 
+def test_speculative_config_flag_takes_vllms_json(tmp_path: Path):
+    kwargs = serve_kwargs("--speculative-config",
+                          '{"method": "ngram", "num_speculative_tokens": 3, '
+                          '"prompt_lookup_max": 4}')
+    spec = EngineConfig.from_kwargs(model=str(tmp_path), **kwargs).scheduler.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+            spec.prompt_lookup_max) == ("ngram", 3, 4, 4)
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens"):
+        EngineConfig.from_kwargs(**serve_kwargs("--speculative-config", '{"method": "ngram"}'))
+
+
 def test_config_yaml_gives_flags_that_the_command_line_overrides(tmp_path: Path):
     path = tmp_path / "flags.yaml"
     path.write_text("max-num-seqs: 8\nenable_prefix_caching: false\nport: 9001\n"
