@@ -108,6 +108,7 @@ class EngineCore:
         self.router = DPRouter(self.schedulers)
         self.spec_switch = SpeculationSwitch() if spec is not None and spec.adaptive else None
         self._last_step_end: float | None = None
+        self._launched_prefill = False  # the last step launched computed prompt tokens
         self.num_steps = 0
         self.timings = StepTimings()  # schedule and update; the runners time their phases
         self._in_flight: InFlight | None = None
@@ -156,10 +157,11 @@ class EngineCore:
         start = time.perf_counter() if self._last_step_end is None else self._last_step_end
         outputs = self._step()
         end = time.perf_counter()
-        drafting = self.spec_switch.record(sum(len(o.new_token_ids) for o in outputs),
-                                           end - start)
-        for scheduler in self.schedulers:
-            scheduler.drafting = drafting
+        if not self._launched_prefill:  # prompt work costs the same either way: not counted
+            drafting = self.spec_switch.record(sum(len(o.new_token_ids) for o in outputs),
+                                               end - start)
+            for scheduler in self.schedulers:
+                scheduler.drafting = drafting
         self._last_step_end = end if self.has_unfinished_requests() else None
         return outputs
 
@@ -186,6 +188,7 @@ class EngineCore:
         """Schedule every rank and launch its step without waiting for the device."""
         with self.timings.phase("schedule"):
             scheds = [s.schedule() for s in self.schedulers]
+        self._launched_prefill = any(_has_prefill(sched) for sched in scheds)
         if self.connector is not None:
             for rank, sched in enumerate(scheds):
                 if sched.kv_loads:
@@ -296,6 +299,12 @@ class EngineCore:
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+
+
+def _has_prefill(sched: SchedulerOutput) -> bool:
+    """Whether a step computes more than one token a request beyond its drafts."""
+    num_drafts = sum(map(len, sched.scheduled_spec_decode_tokens.values()))
+    return sched.total_num_scheduled_tokens > len(sched.num_scheduled_tokens) + num_drafts
 
 
 def _sum_spec_stats(per_rank: list[SpecDecodingStats | None]) -> SpecDecodingStats | None:

@@ -25,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxserve.config import EngineConfig
 from jaxserve.executor.sharding import (AXIS, padded_vocab_size,
                                            param_sharding, validate_tensor_parallel)
-from jaxserve.executor.model_runner import bucket_pairs, dtype_of, step_buckets
+from jaxserve.executor.model_runner import (bucket_pairs, dtype_of, num_speculative_tokens,
+                                            step_buckets, step_variants)
 from jaxserve.executor.step_program import (StepProgram, kv_blocks_for, largest_step_temp_bytes,
                                             step_program)
 from jaxserve.executor.targets import Target
@@ -41,6 +42,8 @@ MAX_TEMP_FRACTION = 0.05  # the gate: a step's temporaries must stay under 5% of
 class BucketReport:
     num_tokens: int
     num_reqs: int
+    num_sample_rows: int = 0  # S: more than num_reqs in a speculative step's variant
+    device_drafts: bool = False  # the layer-skip drafting program
     compiled: bool = False
     error: str | None = None
     compile_seconds: float = 0.0
@@ -71,7 +74,8 @@ class CompileReport:
     def failures(self, max_temp_fraction: float = MAX_TEMP_FRACTION) -> list[str]:
         out = []
         for b in self.buckets:
-            where = f"T={b.num_tokens} R={b.num_reqs}"
+            where = f"T={b.num_tokens} R={b.num_reqs} S={b.num_sample_rows}" + (
+                " drafting" if b.device_drafts else "")
             if not b.compiled:
                 out.append(f"{where}: {b.error}")
                 continue
@@ -161,11 +165,12 @@ def _first_line(e: Exception) -> str:
 
 
 def compile_bucket(program: StepProgram, num_tokens: int, num_reqs: int,
-                   layer_kv_bytes: int) -> BucketReport:
-    report = BucketReport(num_tokens, num_reqs)
+                   layer_kv_bytes: int, num_sample_rows: int | None = None,
+                   device_drafts: bool = False) -> BucketReport:
+    report = BucketReport(num_tokens, num_reqs, num_sample_rows or num_reqs, device_drafts)
     start = time.perf_counter()
     try:
-        compiled = program.compile(num_tokens, num_reqs)
+        compiled = program.compile(num_tokens, num_reqs, num_sample_rows, device_drafts)
     except Exception as e:  # noqa: BLE001 - the compiler's refusal is the report
         report.error = _first_line(e)
         return report
@@ -228,11 +233,14 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
 def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
           buckets: list[tuple[int, int]] | None = None, kv_write: str = "kernel",
           ) -> CompileReport:
-    """Compile the model step for every bucket (or the given ones) on the target."""
+    """Compile the model step for every bucket (or the given ones) on the target, in each of
+    its variants with speculative decoding on (more sample rows; layer skip's drafting)."""
     program, report = prepare(target, cfg, config, kv_write)
     layer_kv_bytes = report.kv_bytes // (2 * report.num_layers)
+    k = num_speculative_tokens(config)
     for T, R in buckets or bucket_pairs(*step_buckets(config)):
-        report.buckets.append(compile_bucket(program, T, R, layer_kv_bytes))
+        for S, drafting in step_variants(T, R, k, program.draft_statics is not None):
+            report.buckets.append(compile_bucket(program, T, R, layer_kv_bytes, S, drafting))
     return report
 
 
@@ -243,16 +251,19 @@ def format_report(report: CompileReport) -> str:
             f"{report.dtype}: weights {report.weight_bytes / gib:.2f} GiB + KV "
             f"{report.kv_bytes / gib:.2f} GiB per device = {report.num_blocks} blocks of "
             f"{report.block_size} ({report.kv_tokens} tokens)")
-    rows = ["| T | R | compiled | seconds | temporaries GiB | total GiB / HBM | cache copies "
+    rows = ["| T | R | S | compiled | seconds | temporaries GiB | total GiB / HBM | cache copies "
             "| GB accessed outside kernels | / weight bytes |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for b in report.buckets:
+        rows_sampled = f"{b.num_sample_rows}{' drafting' if b.device_drafts else ''}"
         if not b.compiled:
-            rows.append(f"| {b.num_tokens} | {b.num_reqs} | no: {b.error} | | | | | | |")
+            rows.append(f"| {b.num_tokens} | {b.num_reqs} | {rows_sampled} | no: {b.error} "
+                        "| | | | | | |")
             continue
         accessed = ("n/a", "n/a") if b.bytes_accessed is None else (
             f"{b.bytes_accessed / 1e9:.2f}", f"{b.bytes_accessed / report.weight_bytes:.2f}")
-        rows.append(f"| {b.num_tokens} | {b.num_reqs} | yes | {b.compile_seconds:.1f} | "
+        rows.append(f"| {b.num_tokens} | {b.num_reqs} | {rows_sampled} | yes | "
+                    f"{b.compile_seconds:.1f} | "
                     f"{b.temp_bytes / gib:.3f} | {b.total_bytes / gib:.2f} / "
                     f"{report.hbm_bytes / gib:.1f} | {b.cache_copies} | {accessed[0]} | "
                     f"{accessed[1]} |")

@@ -77,6 +77,27 @@ def test_preset_compiles_for_its_target_without_copying_the_cache(name, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["tpu-v6e-llama3-8b", "h200-llama3-8b"])
+def test_speculative_steps_compile_without_copying_the_cache(name, tmp_path):
+    """Layer skip's drafting program (a loop of partial-depth decodes writing the cache, then
+    the verifying pass) and the wider sample-row variant keep the cache in place too."""
+    target, _ = PRESETS[name]
+    platform = "tpu" if name.startswith("tpu") else "gpu"
+    if platform == "gpu" and not Path(target).exists():
+        pytest.skip(f"{target} absent (shared/gpu_targets)")
+    preset = REPO / "configs" / "engine" / f"{name}.yaml"
+    rc, report, log = compile_check(
+        platform, tmp_path, "--target", target, "--config", str(preset), "--num-layers", "4",
+        "--buckets", _preset_buckets(preset), "--speculative-config",
+        '{"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 2}')
+    assert rc == 0 and report and not report["failures"], log
+    drafting = [b for b in report["buckets"] if b["device_drafts"]]
+    assert len(drafting) == 2 and any(b["num_sample_rows"] > b["num_reqs"] for b in drafting)
+    for bucket in report["buckets"]:
+        assert bucket["compiled"] and bucket["cache_copies"] == 0, log
+
+
+@pytest.mark.slow
 def test_a_write_that_copies_the_cache_fails_the_gate(tmp_path):
     layers = 2
     rc, report, log = compile_check(
