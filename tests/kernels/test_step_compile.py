@@ -88,11 +88,12 @@ def test_speculative_steps_compile_without_copying_the_cache(name, tmp_path):
     preset = REPO / "configs" / "engine" / f"{name}.yaml"
     rc, report, log = compile_check(
         platform, tmp_path, "--target", target, "--config", str(preset), "--num-layers", "4",
-        "--buckets", _preset_buckets(preset), "--speculative-config",
+        "--buckets", "512:64", "--speculative-config",
         '{"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 2}')
     assert rc == 0 and report and not report["failures"], log
-    drafting = [b for b in report["buckets"] if b["device_drafts"]]
-    assert len(drafting) == 2 and any(b["num_sample_rows"] > b["num_reqs"] for b in drafting)
+    plain, drafting = report["buckets"]  # the bucket's two programs
+    assert (plain["num_sample_rows"], plain["device_drafts"]) == (64, False), log
+    assert (drafting["num_sample_rows"], drafting["device_drafts"]) == (256, True), log
     for bucket in report["buckets"]:
         assert bucket["compiled"] and bucket["cache_copies"] == 0, log
 
