@@ -100,14 +100,17 @@ class SpecDecodingStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_tokens += num_accepted
-        if len(self.num_accepted_tokens_per_pos) < num_drafted:
-            self.num_accepted_tokens_per_pos += [0] * (
-                num_drafted - len(self.num_accepted_tokens_per_pos))
-        for pos in range(num_accepted):
-            self.num_accepted_tokens_per_pos[pos] += 1
+        self.add(SpecDecodingStats(1, num_drafted, num_accepted,
+                                   [1] * num_accepted + [0] * (num_drafted - num_accepted)))
+
+    def add(self, other: SpecDecodingStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos += [0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos))
+        for pos, n in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[pos] += n
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -312,13 +312,7 @@ def _sum_spec_stats(per_rank: list[SpecDecodingStats | None]) -> SpecDecodingSta
         return None
     total = SpecDecodingStats()
     for stats in per_rank:
-        total.num_drafts += stats.num_drafts
-        total.num_draft_tokens += stats.num_draft_tokens
-        total.num_accepted_tokens += stats.num_accepted_tokens
-        for pos, n in enumerate(stats.num_accepted_tokens_per_pos):
-            if pos == len(total.num_accepted_tokens_per_pos):
-                total.num_accepted_tokens_per_pos.append(0)
-            total.num_accepted_tokens_per_pos[pos] += n
+        total.add(stats)
     return total
 
 

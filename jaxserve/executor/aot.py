@@ -14,9 +14,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compile_check import device_model_config, prepare
 from jaxserve.executor.input_batch import StepArrays
-from jaxserve.executor.model_runner import (ProgramKey, device_draft_statics,
-                                           num_speculative_tokens, step_buckets, step_key,
-                                           warm_up_programs)
+from jaxserve.executor.model_runner import ProgramKey, step_key
+from jaxserve.executor.step_shapes import (device_draft_statics, num_speculative_tokens,
+                                           step_buckets, warm_up_programs)
 from jaxserve.executor.packing import pack
 from jaxserve.executor.targets import Target
 from jaxserve.layers.sampler import SamplingMetadata

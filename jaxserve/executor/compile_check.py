@@ -25,8 +25,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxserve.config import EngineConfig
 from jaxserve.executor.sharding import (AXIS, padded_vocab_size,
                                            param_sharding, validate_tensor_parallel)
-from jaxserve.executor.model_runner import (bucket_pairs, dtype_of, num_speculative_tokens,
-                                            step_buckets, step_variants)
+from jaxserve.executor.model_runner import dtype_of
+from jaxserve.executor.step_shapes import (bucket_pairs, num_speculative_tokens, step_buckets,
+                                           step_variants)
 from jaxserve.executor.step_program import (StepProgram, kv_blocks_for, largest_step_temp_bytes,
                                             step_program)
 from jaxserve.executor.targets import Target

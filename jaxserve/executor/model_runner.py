@@ -13,7 +13,6 @@ scheduling): its decode inputs are then read from the previous step's ids on the
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -27,9 +26,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig, power_of_two_buckets
+from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
-from jaxserve.core.structured_output import mask_words
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.executor.mesh import replicate, to_host
 from jaxserve.executor.input_batch import InputBatch, StepArrays
@@ -39,6 +37,9 @@ from jaxserve.executor.packing import PackedLayout, pack, unpack
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.executor.layer_skip_drafts import layer_skip_drafts
 from jaxserve.executor.spec_verify import accepted_tokens
+from jaxserve.executor.step_shapes import (device_draft_statics, max_sample_rows,
+                                           num_speculative_tokens, step_buckets,
+                                           warm_up_programs)
 from jaxserve.executor.prompt_logprobs import (PromptLogprobsPlan, finished_prompt_logprobs,
                                                plan_prompt_logprobs, record_prompt_logprobs)
 from jaxserve.layers.axes import AXIS
@@ -160,63 +161,6 @@ def _sample(layout: PackedLayout, logits: jax.Array, prev_sampled: jax.Array,
     return out, prev_sampled.at[:out.sampled.shape[0]].set(out.sampled)
 
 
-def step_buckets(config: EngineConfig) -> tuple[list[int], list[int]]:
-    """The token and request buckets the model step is compiled for."""
-    sched = config.scheduler
-    # From 8 tokens: a decode step of a few requests pays for its bucket's rows in every
-    # matmul, so 8 decodes padded to 16 rows would cost ~1.3x on CPU.
-    token_buckets = sorted(config.runner.token_buckets or power_of_two_buckets(
-        min(8, sched.max_num_batched_tokens), sched.max_num_batched_tokens))
-    request_buckets = sorted(config.runner.request_buckets or power_of_two_buckets(
-        min(8, sched.max_num_seqs), sched.max_num_seqs))
-    if token_buckets[-1] < sched.max_num_batched_tokens:
-        raise ValueError(f"token_buckets must reach max_num_batched_tokens "
-                         f"({sched.max_num_batched_tokens}), got {token_buckets}")
-    if request_buckets[-1] < sched.max_num_seqs:
-        raise ValueError(f"request_buckets must reach max_num_seqs ({sched.max_num_seqs}), "
-                         f"got {request_buckets}")
-    return token_buckets, request_buckets
-
-
-def bucket_pairs(token_buckets: list[int], request_buckets: list[int]) -> list[tuple[int, int]]:
-    """Every (T, R) shape a step can take: a step never has more requests than tokens."""
-    return [(T, R) for T in token_buckets for R in sorted({min(r, T) for r in request_buckets})]
-
-
-def num_speculative_tokens(config: EngineConfig) -> int:
-    spec = config.scheduler.speculative_config
-    return 0 if spec is None else spec.num_speculative_tokens
-
-
-def device_draft_statics(config: EngineConfig) -> tuple[int, int]:
-    """(draft_layers, max_drafts) of StepStatics: layer-skip drafts come from the step."""
-    spec = config.scheduler.speculative_config
-    if spec is None or spec.method != "layer_skip":
-        return 0, 0
-    return spec.num_layers, spec.num_speculative_tokens
-
-
-def step_variants(T: int, R: int, num_drafts: int, device_drafts: bool,
-                  ) -> list[tuple[int, bool]]:
-    """The (sample rows S, drafts on the device) variants a (T, R) step is compiled for: S = R
-    without drafts (or host drafts that fit in the rows' padding), and with speculation the
-    most rows a step can sample (every request drafting, bounded by the tokens), drafting on
-    the device for layer skip (a separate program, so steps without drafts do not carry it)."""
-    variants = [(R, False)]
-    if num_drafts:
-        most = min(T, R * (1 + num_drafts))
-        if most > R or device_drafts:
-            variants.append((most, device_drafts))
-    return variants
-
-
-def max_sample_rows(config: EngineConfig) -> int:
-    """The length of `prev_sampled`: the most rows any step samples."""
-    token_buckets, request_buckets = step_buckets(config)
-    k = num_speculative_tokens(config)
-    return max(min(T, R * (1 + k)) for T, R in bucket_pairs(token_buckets, request_buckets))
-
-
 def step_key(arrays: StepArrays) -> ProgramKey:
     """The model program of a step: its packed layout, and whether it drafts on the device."""
     return ("step_drafting" if arrays.device_drafts else "step", step_inputs(arrays)[1])
@@ -229,36 +173,6 @@ def step_inputs(arrays: StepArrays) -> tuple[np.ndarray, PackedLayout]:
                            block_tables=arrays.block_tables)
     return pack((arrays.input_ids, arrays.prev_rows, md, arrays.logits_indices,
                  arrays.draft_starts, arrays.num_drafts))
-
-
-def warm_up_programs(token_buckets: list[int], request_buckets: list[int],
-                     max_blocks_per_seq: int, eos_token_ids: tuple[int, ...],
-                     max_logprobs: int, vocab_size: int = 0, num_drafts: int = 0,
-                     device_drafts: bool = False,
-                     ) -> list[tuple[StepArrays, SamplingMetadata]]:
-    """The steps warm-up runs: the model for every (token bucket, request bucket) and each of
-    its `step_variants`, and the sampler for every sample-row count: greedy and sampled,
-    without and with logprobs, without and (given `vocab_size`) with a grammar bitmask.
-    Penalties compile the sampler (only) for each new history width on first use."""
-    logprobs_widths = [0, logprobs_width(max_logprobs)]
-    mask_widths = sorted({0, mask_words(vocab_size)})
-    sampler_done: set[int] = set()
-    out = []
-    for T, R in bucket_pairs(token_buckets, request_buckets):
-        for S, drafting in step_variants(T, R, num_drafts, device_drafts):
-            # The sampler's shapes depend on S only: all of its variants with the first T.
-            variants = [(True, 0, 0)] if S in sampler_done else [
-                (greedy, n, w) for greedy in (True, False) for n in logprobs_widths
-                for w in mask_widths]
-            sampler_done.add(S)
-            for greedy, num_logprobs, words in variants:
-                sampling = make_sampling_metadata(
-                    [], S, eos_token_ids=eos_token_ids, num_logprobs=num_logprobs,
-                    token_bitmask=np.full((S, words), -1, np.int32) if words else None)
-                if not greedy:
-                    sampling = dataclasses.replace(sampling, all_greedy=False)
-                out.append((StepArrays.empty(T, R, max_blocks_per_seq, S, drafting), sampling))
-    return out
 
 
 def step_bitmask(sched: SchedulerOutput, arrays: StepArrays, num_rows: int,
