@@ -10,8 +10,7 @@ of the waiting queue (its prefix usually comes back from the cache).
 Speculative decoding: a decoding request also gets its drafts as inputs after its last token
 (n-gram drafts from its own tokens, or -1 slots the step fills on the device), verified in the
 same step; `update_from_output` takes back the computed tokens of rejected drafts, whose KV is
-simply overwritten later. A request whose drafts keep missing backs off (no drafts for 2, 4, ..
-MAX_DRAFT_BACKOFF steps), so a workload that speculation cannot help runs as without it.
+simply overwritten later. Who drafts, and how many: core/draft_policy.py.
 """
 
 from __future__ import annotations
@@ -22,15 +21,13 @@ from dataclasses import dataclass
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.ngram_proposer import propose_ngram
+from jaxserve.core.draft_policy import DraftPolicy
 from jaxserve.core.request import KVTransfer, Request, RequestStatus
 from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput, KVLoad, Logprobs,
                                             ModelRunnerOutput, NewRequestData, PromptLogprobs,
                                             SchedulerOutput, SpecDecodingStats)
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.core.structured_output import grammar_bitmask
-
-MAX_DRAFT_BACKOFF = 64  # steps
 
 
 @dataclass(slots=True)
@@ -76,9 +73,8 @@ class Scheduler:
         # Structured outputs: requests failed before they ran (their grammar did not compile),
         # reported by the next update; the mask work is timed as its own phase.
         self._failed: list[EngineCoreOutput] = []
-        self.spec = config.speculative_config
-        self.spec_stats = SpecDecodingStats() if self.spec is not None else None
-        self.drafting = True  # the engine's switch (off while drafting measures slower)
+        spec = config.speculative_config
+        self.draft_policy = None if spec is None else DraftPolicy(spec, max_model_len)
         self.timings = StepTimings()
 
     # ---- requests in and out -------------------------------------------------------------
@@ -186,7 +182,9 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            spec = [] if prefilling else self._drafts(request, budget - num_new)
+            spec = [] if prefilling or self.draft_policy is None else \
+                self.draft_policy.drafts(request, budget - num_new, len(self.running),
+                                         self.num_steps)
             num_new += len(spec)
             while (block_ids := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
@@ -217,37 +215,13 @@ class Scheduler:
             i += 1
         return budget
 
-    def may_draft(self, request: Request) -> bool:
-        """Whether the request may get drafts: speculation on (and not off at this batch
-        size), not backing off, and its tokens not bound to its host history (penalties, a
-        grammar)."""
-        spec = self.spec
-        return (spec is not None and self.drafting
-                and request.drafts_resume_step <= self.num_steps
-                and not request.sampling_params.needs_host_history
-                and not 0 < spec.disable_by_batch_size <= len(self.running))
-
     def wants_drafts(self) -> bool:
         """Whether a running request may get drafts next step: they follow the tokens of the
         step before, so that step must be finished first (no async scheduling)."""
-        return self.spec is not None and any(
-            not _is_prefilling(r) and self.may_draft(r) for r in self.running)
-
-    def _drafts(self, request: Request, budget: int) -> list[int]:
-        """A decoding request's drafts for this step: none unless `may_draft`, while its last
-        token is still being sampled, or past max_tokens, max_model_len or the budget."""
-        spec = self.spec
-        if request.num_output_placeholders or not self.may_draft(request):
-            return []
-        k = min(spec.num_speculative_tokens, budget,
-                request.max_tokens - request.num_output_tokens - 1,
-                self.max_model_len - request.num_tokens)
-        if k <= 0:
-            return []
-        if spec.method == "ngram":
-            return propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min,
-                                 spec.prompt_lookup_max)
-        return [-1] * k  # proposed on the device by the step itself
+        policy = self.draft_policy
+        return policy is not None and any(
+            not _is_prefilling(r) and policy.may_draft(r, len(self.running), self.num_steps)
+            for r in self.running)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new_reqs: list[NewRequestData], prefills: set[str]) -> int:
@@ -454,8 +428,7 @@ class Scheduler:
                 # The KV of rejected drafts is not the sequence's: computed up to the last
                 # accepted token (the sampled one after it is the next input).
                 request.num_computed_tokens -= drafted - (len(tokens) - 1)
-                self.spec_stats.record(drafted, len(tokens) - 1)
-                self._back_off_drafts(request, accepted=len(tokens) > 1)
+                self.draft_policy.record(request, drafted, len(tokens) - 1, self.num_steps)
             # Every step that writes this KV has been launched (with async scheduling, the next
             # one too), so its full blocks of known tokens may now be hit by others.
             self.kv.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
@@ -465,14 +438,6 @@ class Scheduler:
             outputs.append(self._append_tokens(request, tokens, lp,
                                                result.prompt_logprobs.get(req_id)))
         return outputs
-
-    def _back_off_drafts(self, request: Request, accepted: bool) -> None:
-        if accepted:
-            request.draft_misses = 0
-            return
-        request.draft_misses += 1
-        request.drafts_resume_step = self.num_steps + min(2 ** request.draft_misses,
-                                                          MAX_DRAFT_BACKOFF)
 
     def _append_tokens(self, request: Request, tokens: list[int],
                        logprobs: list[Logprobs] | None,
@@ -529,7 +494,7 @@ class Scheduler:
         totals = self.kv.total_stats
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage,
                               totals.queries, totals.hits, self.num_preemptions, self.num_steps,
-                              self.spec_stats)
+                              self.draft_policy and self.draft_policy.stats)
 
 
 def _is_prefilling(request: Request) -> bool:

@@ -161,7 +161,7 @@ class EngineCore:
             drafting = self.spec_switch.record(sum(len(o.new_token_ids) for o in outputs),
                                                end - start)
             for scheduler in self.schedulers:
-                scheduler.drafting = drafting
+                scheduler.draft_policy.enabled = drafting
         self._last_step_end = end if self.has_unfinished_requests() else None
         return outputs
 

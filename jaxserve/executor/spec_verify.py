@@ -21,6 +21,8 @@ def accepted_tokens(sampled: np.ndarray, sample_starts: np.ndarray,
     """sampled i32[S]: the token sampled at every sample row; request i's rows are
     sample_starts[i] .. sample_starts[i + 1] - 1 (one per draft, then its own). Per request:
     the accepted drafts and the token sampled after them."""
+    if sample_starts[-1] == len(drafts):  # no drafts: one row a request (the plain step)
+        return [[t] for t in sampled[:len(drafts)].tolist()]
     out = []
     for i, d in enumerate(drafts):
         rows = sampled[sample_starts[i]:sample_starts[i + 1]]

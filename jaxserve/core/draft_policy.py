@@ -1,0 +1,55 @@
+"""Which decoding requests get drafts in a step, and how many (speculative decoding, no jax).
+
+A request drafts unless speculation is off (by the engine's switch, or at this batch size), its
+tokens are bound to its host history (penalties, a grammar), or it is backing off: after each
+verification that accepted nothing it drafts no more for 2, 4, .. MAX_BACKOFF steps, so a
+workload that speculation cannot help runs as without it.
+"""
+
+from __future__ import annotations
+
+from jaxserve.core.ngram_proposer import propose_ngram
+from jaxserve.core.request import Request
+from jaxserve.core.scheduler_output import SpecDecodingStats
+from jaxserve.speculative_config import SpeculativeConfig
+
+MAX_BACKOFF = 64  # steps
+
+
+class DraftPolicy:
+    def __init__(self, spec: SpeculativeConfig, max_model_len: int):
+        self.spec = spec
+        self.max_model_len = max_model_len
+        self.enabled = True  # the engine's switch (off while drafting measures slower)
+        self.stats = SpecDecodingStats()
+
+    def may_draft(self, request: Request, num_running: int, step: int) -> bool:
+        spec = self.spec
+        return (self.enabled and request.drafts_resume_step <= step
+                and not request.sampling_params.needs_host_history
+                and not 0 < spec.disable_by_batch_size <= num_running)
+
+    def drafts(self, request: Request, budget: int, num_running: int, step: int) -> list[int]:
+        """This step's drafts: none unless `may_draft`, while its last token is still being
+        sampled, or past max_tokens, max_model_len or the budget; -1 for a draft the step
+        proposes on the device (layer skip)."""
+        if request.num_output_placeholders or not self.may_draft(request, num_running, step):
+            return []
+        spec = self.spec
+        k = min(spec.num_speculative_tokens, budget,
+                request.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens)
+        if k <= 0:
+            return []
+        if spec.method == "ngram":
+            return propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min,
+                                 spec.prompt_lookup_max)
+        return [-1] * k
+
+    def record(self, request: Request, num_drafted: int, num_accepted: int, step: int) -> None:
+        self.stats.record(num_drafted, num_accepted)
+        if num_accepted:
+            request.draft_misses = 0
+            return
+        request.draft_misses += 1
+        request.drafts_resume_step = step + min(2 ** request.draft_misses, MAX_BACKOFF)
