@@ -1,5 +1,10 @@
 """N-gram (prompt lookup) drafts: the tokens that followed the last match of the sequence's
-own suffix, tried from the longest suffix down (no model, host only, no jax)."""
+own suffix, tried from the longest suffix down (no model, host only, no jax).
+
+The drafts continue the sequence as it went on after the match. When the match ends fewer
+than `num_tokens` before the end, that continuation runs into the drafts themselves: the span
+since the match repeats (a copy overlapping its own output, as in LZ77), so a sequence caught
+in a loop shorter than `num_tokens` still gets every draft it may have."""
 
 from __future__ import annotations
 
@@ -11,8 +16,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int,
                   ) -> list[int]:
-    """Up to `num_tokens` drafts: for the longest n in [min_n, max_n] whose last-n tokens
-    occurred earlier, the tokens after their most recent earlier occurrence; [] when none."""
+    """`num_tokens` drafts: for the longest n in [min_n, max_n] whose last-n tokens occurred
+    earlier, the tokens after their most recent earlier occurrence, repeating the span from
+    there to the end as often as it takes; [] when none."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
@@ -21,5 +27,5 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: 
         hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start:start + num_tokens].tolist()
+            return tokens[start + np.arange(num_tokens) % (length - start)].tolist()
     return []

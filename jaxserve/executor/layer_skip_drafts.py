@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.sampler import argmax
 from jaxserve.models.llama import Llama
 
 
@@ -39,7 +40,7 @@ def layer_skip_drafts(model: Llama, backend: AttentionBackend, num_layers: int,
             positions=positions, slot_mapping=jnp.where(active, md.slot_mapping[start + j], 0),
             query_start_loc=rows, seq_lens=positions + 1, block_tables=md.block_tables)
         hidden, k_cache, v_cache = model(token, step_md, k_cache, v_cache, backend, num_layers)
-        token = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)  # i32[R]
+        token = argmax(model.compute_logits(hidden))  # i32[R]
         return token, drafts.at[:, j].set(token), k_cache, v_cache
 
     drafts = jnp.zeros((num_rows, max_drafts), jnp.int32)

@@ -163,6 +163,15 @@ def filter_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
     return jnp.where(top_p >= 1.0, t_kept, t_top_p)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """i32[...]: jnp.argmax over the last axis (the first maximum; the first NaN if any) as a
+    max, then the least index holding it: two plain reductions, which XLA:CPU runs ~4x faster
+    than argmax's reduction over (value, index) pairs (over the dummy model's 8192 logits)."""
+    hit = (x == x.max(axis=-1, keepdims=True)) | jnp.isnan(x)
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
 def _row_noise(seed: jax.Array, step: jax.Array, vocab_size: int) -> jax.Array:
     key = jax.random.fold_in(jax.random.key(seed), step)
     return jax.random.gumbel(key, (vocab_size,), jnp.float32)
@@ -180,7 +189,7 @@ def _sample_random(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
                              scaled, md.top_k, md.top_p, md.min_p)
     scaled = jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
     noise = jax.vmap(_row_noise, in_axes=(0, 0, None))(md.seeds, md.steps, vocab_size)
-    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    return argmax(scaled + noise)
 
 
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
@@ -194,7 +203,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
 
     processed = apply_penalties(_block_tokens(apply_token_bitmask(logits, md.token_bitmask),
                                               md.blocked_token_ids), md)
-    sampled = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    sampled = argmax(processed)
     if not md.all_greedy:
         sampled = jnp.where(md.temperature == 0, sampled, _sample_random(processed, md))
 

@@ -36,25 +36,42 @@ def test_work_items_fold_into_tiles_in_any_grouping(items_per_iter, window):
     check_against_oracle("one_long_prefill", window, None, items_per_iter)
 
 
-def check_against_oracle(case, window, cap, items_per_iter):
+@pytest.mark.parametrize("case", ["decode", "mixed"])
+@pytest.mark.parametrize("window", [None, 20])
+def test_decodes_fold_their_kv_chunks_in_any_number_of_iterations(case, window):
+    """One page of every decode per iteration (the longest decode's pages all run), or all of
+    its pages in one."""
+    for chunk_bytes in (1, 1 << 30):
+        check_against_oracle(case, window, None, 8, decode_chunk_bytes=chunk_bytes)
+
+
+def test_as_many_requests_as_rows_with_multi_row_requests():
+    """Padding requests can make R equal T while some requests have several rows."""
+    check_against_oracle("chunks_and_padding_rows", None, None, 8, pad_requests=28,
+                         pad_rows=3)
+
+
+def check_against_oracle(case, window, cap, items_per_iter, decode_chunk_bytes=1 << 20,
+                         pad_requests=2, pad_rows=5):
     q_lens, kv_lens = CASES[case]
     rng = np.random.default_rng(0)
     k_cache = rng.standard_normal((L, HKV, NB, BS, D)).astype(np.float32)
     v_cache = rng.standard_normal((L, HKV, NB, BS, D)).astype(np.float32)
     P = 10
-    tables = np.zeros((len(q_lens) + 2, P), np.int32)  # two empty padding requests
+    tables = np.zeros((len(q_lens) + pad_requests, P), np.int32)  # empty padding requests
     blocks = iter(rng.permutation(np.arange(1, NB)))
     for r, kl in enumerate(kv_lens):
         tables[r, :-(-kl // BS)] = [next(blocks) for _ in range(-(-kl // BS))]
-    T = sum(q_lens) + 5  # padding rows past the real ones
+    T = sum(q_lens) + pad_rows  # padding rows past the real ones
     q = rng.standard_normal((T, HQ, D)).astype(np.float32)
-    qsl = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * 2]).astype(np.int32)
-    seq_lens = np.array(kv_lens + [0, 0], np.int32)
+    qsl = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * pad_requests]).astype(np.int32)
+    seq_lens = np.array(kv_lens + [0] * pad_requests, np.int32)
     out = ragged_paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache),
                                  1, jnp.asarray(seq_lens), jnp.asarray(tables),
                                  jnp.asarray(qsl), sm_scale=D ** -0.5, sliding_window=window,
                                  soft_cap=cap, kv_chunk_tokens=16,
-                                 items_per_iter=items_per_iter)
+                                 items_per_iter=items_per_iter,
+                                 decode_chunk_bytes=decode_chunk_bytes)
     out = np.asarray(out)
     ref = oracle.ragged_paged_attention(q, k_cache, v_cache, 1, seq_lens, tables, qsl,
                                         sm_scale=D ** -0.5, sliding_window=window, soft_cap=cap)

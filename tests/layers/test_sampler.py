@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.layers.sampler import (RowSpec, SamplingMetadata, apply_penalties,
+from jaxserve.layers.sampler import (RowSpec, SamplingMetadata, apply_penalties, argmax,
                                      filter_threshold, logprobs_width,
                                      make_sampling_metadata, sample)
 from jaxserve.sampling_params import SamplingParams
@@ -90,6 +90,18 @@ def test_greedy_rows_take_the_argmax() -> None:
 
 def primitives(logits: jax.Array, md: SamplingMetadata) -> set[str]:
     return set(re.findall(r"(\w+)\[", str(jax.make_jaxpr(sample)(logits, md))))
+
+
+def test_argmax_is_jnp_argmax_with_ties_nan_and_infinities() -> None:
+    x = np.random.default_rng(0).standard_normal((7, 300)).astype(np.float32)
+    x[1, [5, 200]] = x[1].max() + 1  # a tie: the first
+    x[2, [40, 9]] = np.nan  # NaN: the first NaN
+    x[3] = -np.inf
+    x[4, 17] = np.inf
+    x[5, :3] = np.finfo(np.float32).max
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got.dtype == np.int32 and got[1] == 5 and got[2] == 9 and got[3] == 0
 
 
 def test_all_greedy_fast_path_has_no_filtering_and_no_noise() -> None:
