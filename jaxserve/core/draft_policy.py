@@ -1,9 +1,15 @@
 """Which decoding requests get drafts in a step, and how many (speculative decoding, no jax).
 
 A request drafts unless speculation is off (by the engine's switch, or at this batch size), its
-tokens are bound to its host history (penalties, a grammar), or it is backing off: after each
-verification that accepted nothing it drafts no more for 2, 4, .. MAX_BACKOFF steps, so a
-workload that speculation cannot help runs as without it.
+tokens are bound to its host history (penalties, a grammar) or to its exact output count
+(min_tokens still holding back its stop tokens), or it is backing off: after each verification
+that accepted nothing it drafts no more for 2, 4, .. MAX_BACKOFF steps, so a workload that
+speculation cannot help runs as without it.
+
+With async scheduling a request drafts while its previous step still runs: its drafts continue
+the sequence as if that step accepted every draft it carries (and, for n-gram lookup, as if it
+samples what the lookup proposes first); the step corrects its positions on the device when
+fewer were accepted, and its drafts are then merely unlikely to be accepted.
 """
 
 from __future__ import annotations
@@ -25,25 +31,32 @@ class DraftPolicy:
 
     def may_draft(self, request: Request, num_running: int, step: int) -> bool:
         spec = self.spec
+        params = request.sampling_params
         return (self.enabled and request.drafts_resume_step <= step
-                and not request.sampling_params.needs_host_history
+                and not params.needs_host_history
+                and request.num_output_tokens >= params.min_tokens
                 and not 0 < spec.disable_by_batch_size <= num_running)
 
     def drafts(self, request: Request, budget: int, num_running: int, step: int) -> list[int]:
-        """This step's drafts: none unless `may_draft`, while its last token is still being
-        sampled, or past max_tokens, max_model_len or the budget; -1 for a draft the step
+        """This step's drafts: none unless `may_draft`, or past max_tokens, max_model_len or
+        the budget (tokens in flight counted as if all were accepted); -1 for a draft the step
         proposes on the device (layer skip)."""
-        if request.num_output_placeholders or not self.may_draft(request, num_running, step):
+        if not self.may_draft(request, num_running, step):
             return []
         spec = self.spec
+        in_flight = request.num_tokens_in_flight
         k = min(spec.num_speculative_tokens, budget,
-                request.max_tokens - request.num_output_tokens - 1,
-                self.max_model_len - request.num_tokens)
+                request.max_tokens - request.num_output_tokens - in_flight - 1,
+                self.max_model_len - request.num_tokens - in_flight)
         if k <= 0:
             return []
         if spec.method == "ngram":
-            return propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min,
-                                 spec.prompt_lookup_max)
+            # At most one step runs ahead: its drafts, then its sample, whose stand-in is the
+            # lookup's first proposal.
+            guesses = request.num_output_placeholders
+            proposal = propose_ngram(request.all_token_ids + request.draft_placeholders,
+                                     guesses + k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            return proposal[guesses:]
         return [-1] * k
 
     def record(self, request: Request, num_drafted: int, num_accepted: int, step: int) -> None:

@@ -88,6 +88,9 @@ class Request:
     # step before which it drafts no more (backing off while drafts keep missing).
     draft_misses: int = 0
     drafts_resume_step: int = 0
+    # The drafts of steps still running (-1: proposed on the device), counted as accepted until
+    # their step's update: async scheduling schedules the next step on top of them.
+    draft_placeholders: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -112,6 +115,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_in_flight(self) -> int:
+        """Tokens that steps still running will add at most: a sample and its drafts each."""
+        return self.num_output_placeholders + len(self.draft_placeholders)
 
     @property
     def num_prompt_tokens(self) -> int:

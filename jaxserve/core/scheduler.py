@@ -146,9 +146,8 @@ class Scheduler:
         for request in self.running:  # tokens count as computed from now on
             num_new = num_scheduled.get(request.request_id, 0)
             request.num_computed_tokens += num_new
-            if num_new and request.num_computed_tokens == (
-                    request.num_tokens + request.num_output_placeholders
-                    + len(drafts.get(request.request_id, ()))):
+            if num_new and request.num_computed_tokens == (request.num_tokens
+                                                           + request.num_tokens_in_flight):
                 request.num_output_placeholders += 1
                 sampling.add(request.request_id)
         constrained = [r for r in self.running
@@ -211,17 +210,10 @@ class Scheduler:
                 prefills.add(request.request_id)
             if spec:
                 drafts[request.request_id] = spec
+                request.draft_placeholders += spec
             budget -= num_new
             i += 1
         return budget
-
-    def wants_drafts(self) -> bool:
-        """Whether a running request may get drafts next step: they follow the tokens of the
-        step before, so that step must be finished first (no async scheduling)."""
-        policy = self.draft_policy
-        return policy is not None and any(
-            not _is_prefilling(r) and policy.may_draft(r, len(self.running), self.num_steps)
-            for r in self.running)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new_reqs: list[NewRequestData], prefills: set[str]) -> int:
@@ -325,12 +317,13 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if self._phase is not None and (self._phase == "prefill") != _is_prefilling(request):
             return 0  # V0-style: a decode held back from a prefill step, or the other way
-        placeholders = request.num_output_placeholders
-        if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
-                             or request.num_tokens + placeholders >= self.max_model_len):
-            return 0  # the token in flight is its last: the update will finish it
-        # A placeholder is the input of the next decode: its id comes from the device.
-        num_new = request.num_tokens + placeholders - request.num_computed_tokens
+        in_flight = request.num_tokens_in_flight
+        if in_flight and (request.num_output_tokens + in_flight >= request.max_tokens
+                          or request.num_tokens + in_flight >= self.max_model_len):
+            return 0  # the tokens in flight may be its last: wait for the update
+        # A placeholder is the input of the next decode: its id comes from the device (after
+        # the drafts of its step that were accepted).
+        num_new = request.num_tokens + in_flight - request.num_computed_tokens
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
@@ -350,6 +343,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a token in flight is dropped, then recomputed
+        request.draft_placeholders.clear()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -426,8 +420,10 @@ class Scheduler:
             drafted = len(sched.scheduled_spec_decode_tokens.get(req_id, ()))
             if drafted:
                 # The KV of rejected drafts is not the sequence's: computed up to the last
-                # accepted token (the sampled one after it is the next input).
+                # accepted token (the sampled one after it is the next input; a step launched
+                # since was corrected on the device).
                 request.num_computed_tokens -= drafted - (len(tokens) - 1)
+                del request.draft_placeholders[:drafted]
                 self.draft_policy.record(request, drafted, len(tokens) - 1, self.num_steps)
             # Every step that writes this KV has been launched (with async scheduling, the next
             # one too), so its full blocks of known tokens may now be hit by others.

@@ -7,8 +7,9 @@ counts the ids in flight as placeholders: a decode is scheduled again before its
 known, and the model runner feeds it that token from the device. A request that stops on a
 token sampled at N has already had one more token computed at N+1, which is dropped. Requests
 with penalties or a grammar need their whole history on the host, so while one runs the core
-waits for N before scheduling N+1. So does speculative decoding, while a step N carries
-drafts (N+1's positions follow what N accepts) or a request may draft at N+1 (from N's tokens).
+waits for N before scheduling N+1. Speculative decoding runs ahead too: N+1 is scheduled as if
+N accepted all its drafts, and the step corrects its positions on the device from N's accepted
+counts (executor/spec_verify.py).
 
 A step that raises while it is prepared, launched or read back fails the requests it carried
 (finish reason "error", blocks freed) and the engine goes on, unless the device state is lost
@@ -167,8 +168,7 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        if self._in_flight is not None and (self._needs_host_history()
-                                            or self._speculating(self._in_flight)):
+        if self._in_flight is not None and self._needs_host_history():
             outputs += self.finish(self._in_flight)
             self._in_flight = None
         if self.connector is not None:
@@ -265,11 +265,6 @@ class EngineCore:
                 self.router.forget(req_id)
                 outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=error))
         return outputs
-
-    def _speculating(self, in_flight: InFlight) -> bool:
-        """Whether the step in flight carries drafts, or a request may draft next."""
-        return any(sched.scheduled_spec_decode_tokens for sched in in_flight.scheds) or any(
-            s.wants_drafts() for s in self.schedulers)
 
     def _needs_host_history(self) -> bool:
         """Whether a request with tokens in flight needs its history on the host (penalties,

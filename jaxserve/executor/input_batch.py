@@ -34,7 +34,8 @@ class StepArrays:
     """Host (numpy) arrays of one step, already padded to their buckets."""
     req_ids: list[str]  # the real requests, in row order
     input_ids: np.ndarray  # i32[T_padded]
-    # i32[T_padded]  -1, or the row of the step still running whose sampled id is this input
+    # i32[T_padded]  -1, or the first sample row, in the step still running, of the request
+    # whose sample there is this input (after the drafts it accepts: known on the device)
     prev_rows: np.ndarray
     positions: np.ndarray  # i32[T_padded]
     slot_mapping: np.ndarray  # i32[T_padded]   padding -> slot 0 of the null block
@@ -49,6 +50,10 @@ class StepArrays:
     draft_token_ids: list[list[int]]  # per request: its drafts (inputs after its last token)
     draft_starts: np.ndarray  # i32[R_padded]  the row of each request's last known token
     num_drafts: np.ndarray  # i32[R_padded]    its drafts (0: none; padding)
+    # i32[R_padded]  the request's first sample row in the step still running, -1 if none; and
+    # the drafts it carries there, whose rejected ones move this step's positions back
+    prev_base: np.ndarray
+    prev_drafts: np.ndarray
     device_drafts: bool = False  # the drafts are proposed by the step (layer skip)
 
     @staticmethod
@@ -70,6 +75,7 @@ class StepArrays:
                           completes_sequence=np.zeros(0, bool),
                           sample_starts=np.zeros(1, np.int32), draft_token_ids=[],
                           draft_starts=np.zeros(R, np.int32), num_drafts=np.zeros(R, np.int32),
+                          prev_base=np.full(R, -1, np.int32), prev_drafts=np.zeros(R, np.int32),
                           device_drafts=device_drafts)
 
 
@@ -111,11 +117,12 @@ class InputBatch:
             state.num_computed_tokens = computed
 
     def prepare(self, sched: SchedulerOutput, token_buckets: list[int],
-                request_buckets: list[int], running_rows: Mapping[str, int],
+                request_buckets: list[int], running_rows: Mapping[str, tuple[int, int]],
                 num_speculative_tokens: int = 0, drafts_on_device: bool = False) -> StepArrays:
-        """`running_rows`: request -> its sample row in the step still running, for the
-        requests whose next input that step samples (async scheduling). `drafts_on_device`:
-        the step proposes the drafts (layer skip), in the drafting program."""
+        """`running_rows`: request -> (its first sample row, its drafts) in the step still
+        running, for the requests whose next input that step samples (async scheduling: their
+        positions here assume it accepts every draft). `drafts_on_device`: the step proposes
+        the drafts (layer skip), in the drafting program."""
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(req_ids))
@@ -140,14 +147,17 @@ class InputBatch:
                                      * self.block_size + pos % self.block_size)
         input_ids = np.zeros(T, np.int32)
         prev_rows = np.full(T, -1, np.int32)
+        prev_base = np.full(R, -1, np.int32)
+        prev_drafts = np.zeros(R, np.int32)
         ids: list[int] = []
         spec = sched.scheduled_spec_decode_tokens
         drafts = [spec.get(r, []) for r in req_ids]
-        for state, c, n, d in zip(states, starts, counts, drafts):
+        for i, (state, c, n, d) in enumerate(zip(states, starts, counts, drafts)):
             tokens = state.token_ids[c:c + n - len(d)]
             ids += tokens
             if len(tokens) < n - len(d):  # the last input is still being sampled: on the device
-                prev_rows[len(ids)] = running_rows[state.req_id]
+                prev_base[i], prev_drafts[i] = running_rows[state.req_id]
+                prev_rows[len(ids)] = prev_base[i]
                 ids.append(0)
             ids += [max(t, 0) for t in d]
         input_ids[:num_tokens] = ids
@@ -173,7 +183,7 @@ class InputBatch:
         return StepArrays(req_ids, input_ids, prev_rows, positions, slot_mapping,
                           query_start_loc, seq_lens, block_tables, logits_indices,
                           (starts + counts) >= lengths, sample_starts, drafts, draft_starts,
-                          padded_drafts, device_drafts)
+                          padded_drafts, prev_base, prev_drafts, device_drafts)
 
     def rows(self, arrays: StepArrays) -> list[RowSpec]:
         """The sampler's rows: per request, one for each draft, then its own, each at its own
@@ -187,10 +197,12 @@ class InputBatch:
         return out
 
     def mark_pending(self, arrays: StepArrays) -> None:
-        """The step is launched: the tokens it samples are pending until `append_sampled`."""
+        """The step is launched: the tokens it samples are pending until `append_sampled`, as
+        many as if it accepts every draft (the step after corrects its step keys on the
+        device when fewer were)."""
         for i, req_id in enumerate(arrays.req_ids):
             if arrays.completes_sequence[i]:
-                self.requests[req_id].row.num_pending += 1
+                self.requests[req_id].row.num_pending += 1 + int(arrays.num_drafts[i])
 
     def append_sampled(self, arrays: StepArrays, tokens: list[list[int]]) -> None:
         """Record the tokens of requests whose step reached their last token (accepted drafts
@@ -201,4 +213,4 @@ class InputBatch:
             if arrays.completes_sequence[i] and state is not None:
                 state.token_ids += tokens[i]
                 state.row.output_token_ids += tokens[i]
-                state.row.num_pending -= 1
+                state.row.num_pending -= 1 + int(arrays.num_drafts[i])

@@ -8,11 +8,14 @@ need, and compiling a new width recompiles only the sampler. The runner counts c
 and, in strict mode, raises on a new one.
 
 A step may be launched before the previous one's sampled ids reach the host (async
-scheduling): its decode inputs are then read from the previous step's ids on the device.
+scheduling): its decode inputs are then read from the previous step's ids on the device, and
+its positions, scheduled as if that step accepted every draft, are corrected there from the
+drafts it accepted (spec_verify.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -36,7 +39,8 @@ from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_block
 from jaxserve.executor.packing import PackedLayout, pack, unpack
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.executor.layer_skip_drafts import layer_skip_drafts
-from jaxserve.executor.spec_verify import accepted_tokens
+from jaxserve.executor.spec_verify import (accepted_drafts, accepted_tokens,
+                                           resolve_previous_step, sample_rows)
 from jaxserve.executor.step_shapes import (device_draft_statics, max_sample_rows,
                                            num_speculative_tokens, step_buckets,
                                            warm_up_programs)
@@ -58,6 +62,18 @@ class UnexpectedCompilationError(RuntimeError):
 ProgramKey = tuple[str, PackedLayout | None]  # (kind, the packed inputs' layout)
 
 
+class PrevSamples(NamedTuple):
+    """What the last launched step samples, as the next step's inputs read it on the device
+    (sample-row order)."""
+    sampled: jax.Array  # i32[max sample rows]  the sampled ids
+    accepted: jax.Array  # i32[max sample rows]  the drafts each row's request accepted
+
+
+def sample_rows_shape(num_rows: int) -> jax.ShapeDtypeStruct:
+    """The model step's `rows` output, i32[3, S], as the sampler program takes it."""
+    return jax.ShapeDtypeStruct((3, num_rows), jnp.int32)
+
+
 class PendingStep(NamedTuple):
     arrays: StepArrays
     rows: list[RowSpec]
@@ -73,7 +89,7 @@ class _LastStep(NamedTuple):
     their device copies alive made every decode step ~1.4x slower (dummy model, CPU)."""
     arrays: StepArrays
     layout: PackedLayout
-    prev_sampled: jax.Array
+    prev: PrevSamples
     inputs: np.ndarray  # packed, on the host
     sampling_layout: PackedLayout
     sampling_inputs: np.ndarray
@@ -108,15 +124,18 @@ class _Forward(NamedTuple):
     v_cache: jax.Array
     logits_indices: jax.Array  # i32[S]
     drafts: jax.Array  # i32[R, max_drafts], proposed on the device (none: [R, 0])
+    rows: jax.Array  # i32[3, S]  spec_verify.sample_rows: the sampler's row drafts and shifts
 
 
 def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
-             v_cache: jax.Array, prev_sampled: jax.Array, inputs: jax.Array) -> _Forward:
-    # prev_sampled: i32[max sample rows], the previous step's sampled ids (sample-row order)
+             v_cache: jax.Array, prev: PrevSamples, inputs: jax.Array) -> _Forward:
     # inputs: i32[n], the packed (input_ids, prev_rows, AttentionMetadata, logits_indices,
-    # draft_starts, num_drafts)
-    input_ids, prev_rows, md, logits_indices, draft_starts, num_drafts = unpack(layout, inputs)
-    input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
+    # draft_starts, num_drafts, prev_base, prev_drafts)
+    (input_ids, prev_rows, md, logits_indices, draft_starts, num_drafts, prev_base,
+     prev_drafts) = unpack(layout, inputs)
+    input_ids, md, token_shift = resolve_previous_step(
+        input_ids, prev_rows, md, prev.sampled, prev.accepted, prev_base, prev_drafts,
+        block_size=k_cache.shape[3])
     model = nnx.merge(statics.graphdef, state)
     drafts = jnp.zeros((draft_starts.shape[0], 0), jnp.int32)
     if statics.draft_layers:
@@ -127,38 +146,45 @@ def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cac
     # Pin the cache's layout so the donated buffers come back exactly as they went in.
     k_cache = jax.lax.with_sharding_constraint(k_cache, statics.kv_sharding)
     v_cache = jax.lax.with_sharding_constraint(v_cache, statics.kv_sharding)
-    return _Forward(model, hidden, k_cache, v_cache, logits_indices, drafts)
+    rows = sample_rows(input_ids, md.query_start_loc, logits_indices, draft_starts, num_drafts,
+                       token_shift)
+    return _Forward(model, hidden, k_cache, v_cache, logits_indices, drafts, rows)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
 def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
-          v_cache: jax.Array, prev_sampled: jax.Array, inputs: jax.Array,
-          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    f = _forward(statics, layout, state, k_cache, v_cache, prev_sampled, inputs)
-    return f.k_cache, f.v_cache, f.model.compute_logits(f.hidden[f.logits_indices]), f.drafts
+          v_cache: jax.Array, prev: PrevSamples, inputs: jax.Array,
+          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    f = _forward(statics, layout, state, k_cache, v_cache, prev, inputs)
+    return (f.k_cache, f.v_cache, f.model.compute_logits(f.hidden[f.logits_indices]), f.drafts,
+            f.rows)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
 def _step_prompt_logprobs(statics: StepStatics, layout: PackedLayout, num_top: int,
                           state: nnx.State, k_cache: jax.Array, v_cache: jax.Array,
-                          prev_sampled: jax.Array, inputs: jax.Array, targets: jax.Array,
-                          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, TokenLogprobs]:
+                          prev: PrevSamples, inputs: jax.Array, targets: jax.Array,
+                          ) -> tuple[jax.Array, ...]:
     """`_step`, plus every token row's logprob of `targets` (i32[T], the next prompt token):
     a separate program per token bucket, run only for steps where a row asks."""
-    f = _forward(statics, layout, state, k_cache, v_cache, prev_sampled, inputs)
+    f = _forward(statics, layout, state, k_cache, v_cache, prev, inputs)
     # The sampler's rows as in `_step` (the same tokens with or without prompt logprobs).
     logits = f.model.compute_logits(f.hidden[f.logits_indices])            # f32[S, V]
-    return f.k_cache, f.v_cache, logits, f.drafts, token_logprobs(
+    return f.k_cache, f.v_cache, logits, f.drafts, f.rows, token_logprobs(
         f.model.compute_logits(f.hidden), targets, num_top)                # over [T, V]
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _sample(layout: PackedLayout, logits: jax.Array, prev_sampled: jax.Array,
-            inputs: jax.Array) -> tuple[SamplerOutput, jax.Array]:
-    # inputs: i32[n], the packed SamplingMetadata. Also returns the ids for the next step's
-    # inputs: prev_sampled with the first R rows replaced.
-    out = sample(logits, unpack(layout, inputs))
-    return out, prev_sampled.at[:out.sampled.shape[0]].set(out.sampled)
+def _sample(layout: PackedLayout, logits: jax.Array, prev: PrevSamples, rows: jax.Array,
+            inputs: jax.Array) -> tuple[SamplerOutput, PrevSamples]:
+    # inputs: i32[n], the packed SamplingMetadata; rows: i32[3, S] from the model step. Also
+    # returns what the next step's inputs read: `prev` with its first S rows replaced.
+    md = unpack(layout, inputs)
+    # A request that moved back moves its step keys too: (seed, step) as without drafts.
+    out = sample(logits, dataclasses.replace(md, steps=md.steps - rows[2]))
+    S = out.sampled.shape[0]
+    return out, PrevSamples(prev.sampled.at[:S].set(out.sampled),
+                            prev.accepted.at[:S].set(accepted_drafts(out.sampled, rows)))
 
 
 def step_key(arrays: StepArrays) -> ProgramKey:
@@ -172,7 +198,7 @@ def step_inputs(arrays: StepArrays) -> tuple[np.ndarray, PackedLayout]:
                            query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
                            block_tables=arrays.block_tables)
     return pack((arrays.input_ids, arrays.prev_rows, md, arrays.logits_indices,
-                 arrays.draft_starts, arrays.num_drafts))
+                 arrays.draft_starts, arrays.num_drafts, arrays.prev_base, arrays.prev_drafts))
 
 
 def step_bitmask(sched: SchedulerOutput, arrays: StepArrays, num_rows: int,
@@ -211,10 +237,12 @@ class ModelRunner:
         draft_layers, max_drafts = device_draft_statics(config)
         self.draft_statics = StepStatics(graphdef, backend, self.kv_sharding, draft_layers,
                                          max_drafts) if draft_layers else None
-        # The last launched step's sampled ids, and the rows whose next input they are.
-        self.prev_sampled = jax.device_put(np.zeros(max_sample_rows(config), np.int32),
-                                           NamedSharding(mesh, P()))
-        self.running_rows: dict[str, int] = {}
+        # The last launched step's samples, and per request whose next input one of them is:
+        # its first sample row there and its drafts.
+        zeros = jax.device_put(np.zeros(max_sample_rows(config), np.int32),
+                               NamedSharding(mesh, P()))
+        self.prev = PrevSamples(zeros, zeros)
+        self.running_rows: dict[str, tuple[int, int]] = {}
         # Programs built ahead of time (a compiled directory), called directly: no tracing.
         self.executables: dict[ProgramKey, Any] = {}
         self.compiled_shapes: set[tuple[Any, ...]] = set()
@@ -254,7 +282,7 @@ class ModelRunner:
             out, prompt_out, drafts = self._run(arrays, sampling, prompt_plan)
             pending = PendingStep(arrays, rows, out, prompt_plan, prompt_out, drafts)
         self.batch.mark_pending(arrays)
-        self.running_rows = {req_id: int(arrays.sample_starts[i + 1]) - 1
+        self.running_rows = {req_id: (int(arrays.sample_starts[i]), int(arrays.num_drafts[i]))
                              for i, req_id in enumerate(arrays.req_ids)
                              if arrays.completes_sequence[i]}
         return pending
@@ -287,13 +315,13 @@ class ModelRunner:
              prompt_plan: PromptLogprobsPlan | None = None,
              ) -> tuple[SamplerOutput, TokenLogprobs | None, jax.Array | None]:
         inputs, layout = step_inputs(arrays)
-        prev, prompt_out = self.prev_sampled, None
+        prev, prompt_out = self.prev, None
         shape = (len(arrays.input_ids), len(arrays.seq_lens), len(arrays.logits_indices),
                  arrays.device_drafts)
         if prompt_plan is not None:
             num_top = self.config.model.max_logprobs
             self._count_shape(("step_prompt_logprobs", *shape, num_top))
-            self.k_cache, self.v_cache, logits, drafts, prompt_out = _step_prompt_logprobs(
+            self.k_cache, self.v_cache, logits, drafts, rows, prompt_out = _step_prompt_logprobs(
                 self._statics(arrays), layout, num_top, self.params, self.k_cache,
                 self.v_cache, prev, replicate(inputs, self.mesh),
                 replicate(prompt_plan.targets, self.mesh))
@@ -301,7 +329,8 @@ class ModelRunner:
             key = step_key(arrays)
             if key not in self.executables:
                 self._count_shape((key[0], *shape))
-            logits, drafts = self._call_step(arrays, layout, prev, replicate(inputs, self.mesh))
+            logits, drafts, rows = self._call_step(arrays, layout, prev,
+                                                   replicate(inputs, self.mesh))
         sampling_inputs, sampling_layout = pack(sampling)
         if ("sample", sampling_layout) not in self.executables:
             self._count_shape(("sample", len(arrays.logits_indices),
@@ -310,8 +339,8 @@ class ModelRunner:
                                sampling.blocked_token_ids.shape[1],
                                sampling.token_bitmask.shape[1], sampling.all_greedy,
                                sampling.num_logprobs))
-        out, self.prev_sampled = self._call_sampler(sampling_layout, logits, prev,
-                                                    replicate(sampling_inputs, self.mesh))
+        out, self.prev = self._call_sampler(sampling_layout, logits, prev, rows,
+                                            replicate(sampling_inputs, self.mesh))
         self._last_step = _LastStep(arrays, layout, prev, inputs, sampling_layout,
                                     sampling_inputs, weakref.ref(self.k_cache))
         return out, prompt_out, drafts if arrays.device_drafts else None
@@ -319,20 +348,21 @@ class ModelRunner:
     def _statics(self, arrays: StepArrays) -> StepStatics:
         return self.draft_statics if arrays.device_drafts else self.statics
 
-    def _call_step(self, arrays: StepArrays, layout: PackedLayout, prev: jax.Array,
-                   inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The model step: (logits f32[S, V], device drafts i32[R, max_drafts])."""
+    def _call_step(self, arrays: StepArrays, layout: PackedLayout, prev: PrevSamples,
+                   inputs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The model step: (logits f32[S, V], device drafts i32[R, max_drafts], the sample
+        rows' drafts and shifts i32[3, S])."""
         args = (self.params, self.k_cache, self.v_cache, prev, inputs)
         step = self.executables.get(step_key(arrays))
-        self.k_cache, self.v_cache, logits, drafts = (
+        self.k_cache, self.v_cache, logits, drafts, rows = (
             _step(self._statics(arrays), layout, *args) if step is None else step(*args))
-        return logits, drafts
+        return logits, drafts, rows
 
-    def _call_sampler(self, layout: PackedLayout, logits: jax.Array, prev: jax.Array,
-                      inputs: jax.Array) -> tuple[SamplerOutput, jax.Array]:
+    def _call_sampler(self, layout: PackedLayout, logits: jax.Array, prev: PrevSamples,
+                      rows: jax.Array, inputs: jax.Array) -> tuple[SamplerOutput, PrevSamples]:
         sample_fn = self.executables.get(("sample", layout))
-        return (_sample(layout, logits, prev, inputs) if sample_fn is None
-                else sample_fn(logits, prev, inputs))
+        return (_sample(layout, logits, prev, rows, inputs) if sample_fn is None
+                else sample_fn(logits, prev, rows, inputs))
 
     def time_last_step(self, repeats: int = 5) -> float:
         """Best wall seconds, over `repeats`, of the last launched step's compiled model and
@@ -344,14 +374,14 @@ class ModelRunner:
         if last is None or last.k_cache() is not self.k_cache:
             raise RuntimeError("time_last_step: no step was launched since the KV cache was "
                                "last written")
-        jax.block_until_ready((self.k_cache, self.v_cache, self.prev_sampled))
+        jax.block_until_ready((self.k_cache, self.v_cache, self.prev))
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            logits, _ = self._call_step(last.arrays, last.layout, last.prev_sampled,
-                                        replicate(last.inputs, self.mesh))
+            logits, _, rows = self._call_step(last.arrays, last.layout, last.prev,
+                                              replicate(last.inputs, self.mesh))
             jax.block_until_ready(self._call_sampler(
-                last.sampling_layout, logits, last.prev_sampled,
+                last.sampling_layout, logits, last.prev, rows,
                 replicate(last.sampling_inputs, self.mesh)))
             best = min(best, time.perf_counter() - start)
         self._last_step = last._replace(k_cache=weakref.ref(self.k_cache))
@@ -449,11 +479,12 @@ class ModelRunner:
         """The model step for this bucket compiled (not run): what `jaxserve compile` saves."""
         inputs, layout = step_inputs(arrays)
         return _step.trace(self._statics(arrays), layout, self.params, self.k_cache,
-                           self.v_cache, self.prev_sampled, inputs).lower().compile()
+                           self.v_cache, self.prev, inputs).lower().compile()
 
     def compile_sampler(self, sampling: SamplingMetadata, logits: jax.ShapeDtypeStruct) -> Any:
         inputs, layout = pack(sampling)
-        return _sample.trace(layout, logits, self.prev_sampled, inputs).lower().compile()
+        return _sample.trace(layout, logits, self.prev, sample_rows_shape(logits.shape[0]),
+                             inputs).lower().compile()
 
 
 def dtype_of(name: str) -> Any:

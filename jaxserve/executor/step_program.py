@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxserve.config import EngineConfig
 from jaxserve.executor.sharding import kv_cache_sharding
 from jaxserve.executor.input_batch import StepArrays
-from jaxserve.executor.model_runner import StepStatics, _sample, _step, step_inputs
+from jaxserve.executor.model_runner import (PrevSamples, StepStatics, _sample, _step,
+                                           sample_rows_shape, step_inputs)
 from jaxserve.executor.step_shapes import (bucket_pairs, device_draft_statics, max_sample_rows,
                                            num_speculative_tokens, step_buckets, step_variants)
 from jaxserve.executor.packing import pack
@@ -32,7 +33,7 @@ class StepProgram:
     statics: StepStatics
     state: Any
     kv: jax.ShapeDtypeStruct
-    prev_sampled: jax.ShapeDtypeStruct
+    prev: PrevSamples  # of ShapeDtypeStructs
     max_blocks_per_seq: int
     draft_statics: StepStatics | None = None  # layer skip: the drafting program's
 
@@ -49,15 +50,16 @@ class StepProgram:
         inputs, layout = step_inputs(arrays)
         statics = self.draft_statics if arrays.device_drafts else self.statics
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # Pallas TPU lowering
-            lowered = _step.trace(statics, layout, self.state, self.kv, self.kv,
-                                  self.prev_sampled, self.replicated(inputs)).lower()
+            lowered = _step.trace(statics, layout, self.state, self.kv, self.kv, self.prev,
+                                  self.replicated(inputs)).lower()
         return lowered.compile()
 
     def compile_sampler(self, sampling: SamplingMetadata, logits: jax.ShapeDtypeStruct) -> Any:
         inputs, layout = pack(sampling)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            lowered = _sample.trace(layout, logits, self.prev_sampled,
-                                    self.replicated(inputs)).lower()
+            rows = sample_rows_shape(logits.shape[0])
+            lowered = _sample.trace(layout, logits, self.prev,
+                                    self.replicated(rows), self.replicated(inputs)).lower()
         return lowered.compile()
 
     def replicated(self, host: np.ndarray) -> jax.ShapeDtypeStruct:
@@ -73,14 +75,15 @@ def step_program(graphdef: nnx.GraphDef, state: Any, cfg: LlamaConfig, config: E
     bs = config.cache.block_size
     kv = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, num_blocks, bs, cfg.head_dim),
                               jax.tree.leaves(state)[0].dtype, sharding=kv_sharding)
-    prev = jax.ShapeDtypeStruct((max_sample_rows(config),), jnp.int32,
+    rows = jax.ShapeDtypeStruct((max_sample_rows(config),), jnp.int32,
                                 sharding=NamedSharding(mesh, P()))
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                          state)
     draft_layers, max_drafts = device_draft_statics(config)
     drafting = StepStatics(graphdef, backend, kv_sharding, draft_layers, max_drafts) \
         if draft_layers else None
-    return StepProgram(StepStatics(graphdef, backend, kv_sharding), state, kv, prev,
+    return StepProgram(StepStatics(graphdef, backend, kv_sharding), state, kv,
+                       PrevSamples(rows, rows),
                        -(-max_model_len // bs), drafting)
 
 

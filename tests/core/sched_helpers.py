@@ -10,6 +10,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.speculative_config import SpeculativeConfig
 
 BS = 4
 EOS = 2
@@ -74,12 +75,14 @@ class Harness:
     def __init__(self, *, num_blocks: int = 64, block_size: int = BS, budget: int = 16,
                  max_num_seqs: int = 8, threshold: int = 0, chunked: bool = True,
                  policy: str = "fcfs", mixed: bool = True, caching: bool = True,
-                 max_model_len: int = 4096, max_partial: int = 0) -> None:
+                 max_model_len: int = 4096, max_partial: int = 0,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                  long_prefill_token_threshold=threshold,
                                  max_num_partial_prefills=max_partial,
                                  enable_chunked_prefill=chunked, scheduling_policy=policy,
-                                 enable_mixed_batching=mixed)
+                                 enable_mixed_batching=mixed,
+                                 speculative_config=speculative_config)
         cache = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
         self.sched = Scheduler(config, cache, num_blocks, max_model_len, [EOS], hash_seed=0)
         self.kv = self.sched.kv
@@ -187,9 +190,10 @@ def check_step(h: Harness, record: StepRecord) -> None:
         if rid in cached_ids:
             assert start[rid] == record.before[rid][0]
         assert req.num_computed_tokens == start[rid] + counts[rid]
-        # A sampling step reaches the end of the known tokens plus those in flight, one of
-        # which it adds; the tokens in flight are at most this step's and the previous one's.
-        end = req.num_tokens + req.num_output_placeholders - (rid in out.sampling_req_ids)
+        # A sampling step reaches the end of the known tokens plus those in flight (drafts
+        # counted as accepted), one of which it adds; the tokens in flight are at most this
+        # step's and the previous one's.
+        end = req.num_tokens + req.num_tokens_in_flight - (rid in out.sampling_req_ids)
         assert req.num_computed_tokens == end if rid in out.sampling_req_ids \
             else req.num_computed_tokens < end
         assert req.num_output_placeholders <= 2

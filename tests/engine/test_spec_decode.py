@@ -67,6 +67,49 @@ def test_greedy_tokens_equal_hf_with_speculation(llama, expected, compile_cache_
     assert_no_leaks(llm.engine)
 
 
+def count_corrected_requests(llm: LLM) -> list[int]:
+    """Wrap the runner: counts requests of a step launched on top of a drafting step still
+    running that then rejected some of their drafts (their positions, scheduled as if all were
+    accepted, corrected on the device)."""
+    runner = llm.engine.core.executor.worker.runner
+    dispatch, collect = runner.dispatch, runner.collect
+    counts, ahead = [0], [set()]
+
+    def dispatching(sched):  # noqa: ANN001, ANN202
+        pending = dispatch(sched)
+        if pending is not None:
+            arrays = pending.arrays
+            ahead[0] = {r for r, n in zip(arrays.req_ids, arrays.prev_drafts) if n > 0}
+        return pending
+
+    def collecting(pending):  # noqa: ANN001, ANN202
+        out = collect(pending)
+        if pending is not None:
+            for req_id, drafts, tokens in zip(out.req_ids, pending.arrays.draft_token_ids,
+                                              out.sampled_token_ids):
+                counts[0] += req_id in ahead[0] and len(tokens) - 1 < len(drafts)
+        return out
+
+    runner.dispatch, runner.collect = dispatching, collecting
+    return counts
+
+
+@pytest.mark.parametrize("spec", [NGRAM, LAYER_SKIP], ids=["ngram", "layer_skip"])
+def test_steps_run_ahead_of_drafting_steps_and_correct_their_positions(llama, expected,
+                                                                      compile_cache_dir, spec):
+    """Async scheduling with speculation: a step launched while the one before it verifies
+    drafts assumes they are all accepted; where some are not, the device moves its positions
+    back, and the tokens are still HF's."""
+    llm = LLM(str(llama), compilation_cache_dir=compile_cache_dir, speculative_config=spec,
+              **SMALL_ENGINE)
+    corrected = count_corrected_requests(llm)
+    outs = generate(llm, spec_workload(), temperature=0.0, max_tokens=MAX_TOKENS,
+                    ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert corrected[0] > 0
+    assert_no_leaks(llm.engine)
+
+
 @pytest.fixture(scope="module")
 def plain_and_spec(llama, compile_cache_dir):
     engines = {name: LLM(str(llama), compilation_cache_dir=compile_cache_dir,
