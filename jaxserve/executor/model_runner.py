@@ -35,7 +35,7 @@ from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_block
                                          padded_block_ids, scatter_blocks)
 from jaxserve.executor.packing import PackedLayout, pack, unpack
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
-from jaxserve.executor.layer_skip_drafts import layer_skip_drafts
+from jaxserve.executor.device_drafts import propose_drafts
 from jaxserve.executor.spec_verify import accepted_tokens
 from jaxserve.executor.step_shapes import (device_draft_statics, max_sample_rows,
                                            num_speculative_tokens, step_buckets,
@@ -120,8 +120,8 @@ def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cac
     model = nnx.merge(statics.graphdef, state)
     drafts = jnp.zeros((draft_starts.shape[0], 0), jnp.int32)
     if statics.draft_layers:
-        input_ids, drafts, k_cache, v_cache = layer_skip_drafts(
-            model, statics.backend, statics.draft_layers, statics.max_drafts, input_ids, md,
+        input_ids, drafts, k_cache, v_cache = propose_drafts(
+            model, statics.draft_layers, statics.backend, statics.max_drafts, input_ids, md,
             draft_starts, num_drafts, k_cache, v_cache)
     hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend)
     # Pin the cache's layout so the donated buffers come back exactly as they went in.

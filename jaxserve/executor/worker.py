@@ -20,14 +20,13 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compiled_dir import KV_INIT
-from jaxserve.executor.mesh import place, rank_meshes
+from jaxserve.executor.mesh import rank_meshes
 from jaxserve.executor.model_runner import ModelRunner, PendingStep, dtype_of
 from jaxserve.executor.sharding import (
     AXIS,
-    expand_kv_heads,
     kv_cache_sharding,
-    pad_vocab,
     param_sharding,
+    shard_params,
     validate_tensor_parallel,
 )
 from jaxserve.executor.step_program import kv_blocks_for, largest_step_temp_bytes
@@ -90,13 +89,8 @@ class Worker:
             cfg, placed = self.loaded.config, self.loaded.params
         else:
             self.loaded = loaded or load_model(m.model, m.load_format, seed=m.seed)
-            validate_tensor_parallel(self.loaded.config, tp)
-            cfg, params = expand_kv_heads(self.loaded.config, self.loaded.params, tp)
-            params = pad_vocab(params, cfg.vocab_size, tp)
-            host_dtype = np.dtype(self.dtype)
-            placed = {name: place(np.asarray(w, host_dtype),
-                                  param_sharding(self.mesh, name, w.shape))
-                      for name, w in params.items()}
+            cfg, placed = shard_params(self.loaded.config, self.loaded.params, self.mesh,
+                                       self.dtype)
         self.model_config = cfg
         self.max_model_len = m.max_model_len or cfg.max_position_embeddings
         platform = self.mesh.devices.flat[0].platform
