@@ -3,11 +3,13 @@ run the plain one), before the target's pass: `num_drafts` greedy decode iterati
 step's drafting requests, each through a drafting model, taking the argmax. The drafts become
 the step's inputs after each request's last token, for the target to verify.
 
-The drafting model (an argument, with its depth and its caches) is layer skip's: the
-target's own first `num_layers` layers, the final norm and the LM head. Those layers' KV is
-the target's own (same weights, tokens, positions), so the drafts write it straight into the
-target's cache at the draft slots the scheduler allocated; the verifying pass then rewrites
-those slots. No second cache, no second prefill.
+The drafting model is one of:
+- layer skip: the target's own first `num_layers` layers, the final norm and the LM head.
+  Those layers' KV is the target's own (same weights, tokens, positions), so the drafts write
+  it straight into the target's cache at the draft slots the scheduler allocated; the
+  verifying pass then rewrites those slots. No second cache, no second prefill.
+- a draft model (executor/draft_model.py): a smaller checkpoint with its own cache over the
+  same blocks, kept complete by the catch-up pass every step runs after the target's.
 
 Iteration 0 decodes each request's last known token (writing its KV at its position), and
 iteration j the draft j before it, at the slots the scheduler allocated for the drafts.

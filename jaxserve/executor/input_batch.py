@@ -49,7 +49,7 @@ class StepArrays:
     draft_token_ids: list[list[int]]  # per request: its drafts (inputs after its last token)
     draft_starts: np.ndarray  # i32[R_padded]  the row of each request's last known token
     num_drafts: np.ndarray  # i32[R_padded]    its drafts (0: none; padding)
-    device_drafts: bool = False  # the drafts are proposed by the step (layer skip)
+    device_drafts: bool = False  # the drafts are proposed by the step (layer skip, draft model)
 
     @staticmethod
     def empty(num_tokens: int, num_reqs: int, max_blocks_per_seq: int,
@@ -115,7 +115,7 @@ class InputBatch:
                 num_speculative_tokens: int = 0, drafts_on_device: bool = False) -> StepArrays:
         """`running_rows`: request -> its sample row in the step still running, for the
         requests whose next input that step samples (async scheduling). `drafts_on_device`:
-        the step proposes the drafts (layer skip), in the drafting program."""
+        the step proposes the drafts (layer skip, draft model), in the drafting program."""
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(req_ids))

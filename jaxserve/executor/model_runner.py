@@ -1,11 +1,12 @@
 """ModelRunner: turns a SchedulerOutput into one device step and returns sampled ids.
 
 A step is two jitted pure functions: the model `(params, kv_caches, batch) -> (kv_caches,
-logits)`, with the KV cache donated, then the sampler `(logits, sampling) -> (sampled,
-logprobs)`. The model's shapes come only from the bucket lists, so after warm-up it never
-compiles again; the sampler's also depend on the padded token-history widths that penalties
-need, and compiling a new width recompiles only the sampler. The runner counts compilations
-and, in strict mode, raises on a new one.
+logits)`, with the KV cache donated (a draft model's weights and cache are arguments too: it
+runs in every step, executor/draft_model.py), then the sampler `(logits, sampling) ->
+(sampled, logprobs)`. The model's shapes come only from the bucket lists, so after warm-up
+it never compiles again; the sampler's also depend on the padded token-history widths that
+penalties need, and compiling a new width recompiles only the sampler. The runner counts
+compilations and, in strict mode, raises on a new one.
 
 A step may be launched before the previous one's sampled ids reach the host (async
 scheduling): its decode inputs are then read from the previous step's ids on the device.
@@ -36,6 +37,7 @@ from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_block
 from jaxserve.executor.packing import PackedLayout, pack, unpack
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.executor.device_drafts import propose_drafts
+from jaxserve.executor.draft_model import catch_up
 from jaxserve.executor.spec_verify import accepted_tokens
 from jaxserve.executor.step_shapes import (device_draft_statics, max_sample_rows,
                                            num_speculative_tokens, step_buckets,
@@ -56,6 +58,8 @@ class UnexpectedCompilationError(RuntimeError):
 
 
 ProgramKey = tuple[str, PackedLayout | None]  # (kind, the packed inputs' layout)
+DraftKV = tuple[jax.Array, jax.Array] | None  # the draft model's (k_cache, v_cache)
+STEP_LOGITS = 3  # `_step` returns (k_cache, v_cache, draft_kv, logits, drafts)
 
 
 class PendingStep(NamedTuple):
@@ -83,14 +87,18 @@ class _LastStep(NamedTuple):
 class StepStatics:
     """The jitted step's static arguments. jit hashes static arguments on every call, and an
     NNX GraphDef takes milliseconds to hash, so the hash is computed once here.
-    `draft_layers` > 0: the step drafts up to `max_drafts` tokens a request on the device
-    from the model's first `draft_layers` layers (layer-skip self-speculation)."""
+    `draft_graphdef`: the engine's draft model (its catch-up runs in every step).
+    `max_drafts` > 0: the drafting program, which drafts up to `max_drafts` tokens a request
+    on the device: from the draft model, or (layer-skip self-speculation) from the target's
+    first `draft_layers` layers."""
 
     def __init__(self, graphdef: nnx.GraphDef, backend: AttentionBackend,
-                 kv_sharding: NamedSharding, draft_layers: int = 0, max_drafts: int = 0):
+                 kv_sharding: NamedSharding, draft_layers: int = 0, max_drafts: int = 0,
+                 draft_graphdef: nnx.GraphDef | None = None):
         self.graphdef, self.backend, self.kv_sharding = graphdef, backend, kv_sharding
         self.draft_layers, self.max_drafts = draft_layers, max_drafts
-        self._key = (graphdef, backend, kv_sharding, draft_layers, max_drafts)
+        self.draft_graphdef = draft_graphdef
+        self._key = (graphdef, backend, kv_sharding, draft_layers, max_drafts, draft_graphdef)
         self._hash = hash(self._key)
 
     def __hash__(self) -> int:
@@ -101,54 +109,83 @@ class StepStatics:
                                  and self._key == other._key)
 
 
+def step_statics(config: EngineConfig, graphdef: nnx.GraphDef, backend: AttentionBackend,
+                 kv_sharding: NamedSharding, draft_graphdef: nnx.GraphDef | None = None,
+                 ) -> tuple[StepStatics, StepStatics | None]:
+    """The plain program's statics and the drafting program's (None: drafts are not proposed
+    on the device)."""
+    draft_layers, max_drafts = device_draft_statics(config)
+    plain = StepStatics(graphdef, backend, kv_sharding, draft_graphdef=draft_graphdef)
+    return plain, StepStatics(graphdef, backend, kv_sharding, draft_layers, max_drafts,
+                              draft_graphdef) if max_drafts else None
+
+
 class _Forward(NamedTuple):
     model: Llama
     hidden: jax.Array  # [T, D]
     k_cache: jax.Array
     v_cache: jax.Array
+    draft_kv: DraftKV
     logits_indices: jax.Array  # i32[S]
     drafts: jax.Array  # i32[R, max_drafts], proposed on the device (none: [R, 0])
 
 
 def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
-             v_cache: jax.Array, prev_sampled: jax.Array, inputs: jax.Array) -> _Forward:
+             v_cache: jax.Array, draft_state: nnx.State | None, draft_kv: DraftKV,
+             prev_sampled: jax.Array, inputs: jax.Array) -> _Forward:
     # prev_sampled: i32[max sample rows], the previous step's sampled ids (sample-row order)
     # inputs: i32[n], the packed (input_ids, prev_rows, AttentionMetadata, logits_indices,
     # draft_starts, num_drafts)
     input_ids, prev_rows, md, logits_indices, draft_starts, num_drafts = unpack(layout, inputs)
     input_ids = jnp.where(prev_rows >= 0, prev_sampled[jnp.maximum(prev_rows, 0)], input_ids)
     model = nnx.merge(statics.graphdef, state)
+    draft = None if statics.draft_graphdef is None else nnx.merge(statics.draft_graphdef,
+                                                                  draft_state)
     drafts = jnp.zeros((draft_starts.shape[0], 0), jnp.int32)
-    if statics.draft_layers:
+    if statics.max_drafts and draft is None:  # layer skip: the target's first layers draft
         input_ids, drafts, k_cache, v_cache = propose_drafts(
             model, statics.draft_layers, statics.backend, statics.max_drafts, input_ids, md,
             draft_starts, num_drafts, k_cache, v_cache)
+    elif statics.max_drafts:  # the draft model drafts, over its own cache
+        input_ids, drafts, draft_k, draft_v = propose_drafts(
+            draft, None, statics.backend, statics.max_drafts, input_ids, md, draft_starts,
+            num_drafts, *draft_kv)
+        draft_kv = (draft_k, draft_v)
     hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend)
-    # Pin the cache's layout so the donated buffers come back exactly as they went in.
-    k_cache = jax.lax.with_sharding_constraint(k_cache, statics.kv_sharding)
-    v_cache = jax.lax.with_sharding_constraint(v_cache, statics.kv_sharding)
-    return _Forward(model, hidden, k_cache, v_cache, logits_indices, drafts)
+    if draft is not None:
+        draft_kv = catch_up(draft, statics.backend, input_ids, md, *draft_kv)
+    # Pin the caches' layout so the donated buffers come back exactly as they went in.
+    k_cache, v_cache, draft_kv = jax.tree.map(
+        lambda c: jax.lax.with_sharding_constraint(c, statics.kv_sharding),
+        (k_cache, v_cache, draft_kv))
+    return _Forward(model, hidden, k_cache, v_cache, draft_kv, logits_indices, drafts)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 6))
 def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
-          v_cache: jax.Array, prev_sampled: jax.Array, inputs: jax.Array,
-          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    f = _forward(statics, layout, state, k_cache, v_cache, prev_sampled, inputs)
-    return f.k_cache, f.v_cache, f.model.compute_logits(f.hidden[f.logits_indices]), f.drafts
+          v_cache: jax.Array, draft_state: nnx.State | None, draft_kv: DraftKV,
+          prev_sampled: jax.Array, inputs: jax.Array,
+          ) -> tuple[jax.Array, jax.Array, DraftKV, jax.Array, jax.Array]:
+    f = _forward(statics, layout, state, k_cache, v_cache, draft_state, draft_kv, prev_sampled,
+                 inputs)
+    return (f.k_cache, f.v_cache, f.draft_kv,
+            f.model.compute_logits(f.hidden[f.logits_indices]), f.drafts)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 7))
 def _step_prompt_logprobs(statics: StepStatics, layout: PackedLayout, num_top: int,
                           state: nnx.State, k_cache: jax.Array, v_cache: jax.Array,
+                          draft_state: nnx.State | None, draft_kv: DraftKV,
                           prev_sampled: jax.Array, inputs: jax.Array, targets: jax.Array,
-                          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, TokenLogprobs]:
+                          ) -> tuple[jax.Array, jax.Array, DraftKV, jax.Array, jax.Array,
+                                     TokenLogprobs]:
     """`_step`, plus every token row's logprob of `targets` (i32[T], the next prompt token):
     a separate program per token bucket, run only for steps where a row asks."""
-    f = _forward(statics, layout, state, k_cache, v_cache, prev_sampled, inputs)
+    f = _forward(statics, layout, state, k_cache, v_cache, draft_state, draft_kv, prev_sampled,
+                 inputs)
     # The sampler's rows as in `_step` (the same tokens with or without prompt logprobs).
     logits = f.model.compute_logits(f.hidden[f.logits_indices])            # f32[S, V]
-    return f.k_cache, f.v_cache, logits, f.drafts, token_logprobs(
+    return f.k_cache, f.v_cache, f.draft_kv, logits, f.drafts, token_logprobs(
         f.model.compute_logits(f.hidden), targets, num_top)                # over [T, V]
 
 
@@ -191,12 +228,15 @@ def step_bitmask(sched: SchedulerOutput, arrays: StepArrays, num_rows: int,
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Llama, k_cache: jax.Array, v_cache: jax.Array,
                  backend: AttentionBackend, mesh: Mesh, max_model_len: int,
-                 eos_token_ids: tuple[int, ...]):
+                 eos_token_ids: tuple[int, ...], draft: Llama | None = None,
+                 draft_kv: DraftKV = None):
+        """`draft`, `draft_kv`: the draft model (speculative `draft_model`) and its caches."""
         self.config = config
         self.mesh = mesh
         self.kv_sharding = k_cache.sharding
         self.model = model
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.draft_kv = draft_kv
         self.eos_token_ids = eos_token_ids
         block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -207,10 +247,9 @@ class ModelRunner:
         # Module-level jits (_step, _sample): engines with the same model structure and step
         # shapes share compiled executables within a process.
         graphdef, self.params = nnx.split(model)
-        self.statics = StepStatics(graphdef, backend, self.kv_sharding)
-        draft_layers, max_drafts = device_draft_statics(config)
-        self.draft_statics = StepStatics(graphdef, backend, self.kv_sharding, draft_layers,
-                                         max_drafts) if draft_layers else None
+        draft_graphdef, self.draft_params = nnx.split(draft) if draft else (None, None)
+        self.statics, self.draft_statics = step_statics(config, graphdef, backend,
+                                                        self.kv_sharding, draft_graphdef)
         # The last launched step's sampled ids, and the rows whose next input they are.
         self.prev_sampled = jax.device_put(np.zeros(max_sample_rows(config), np.int32),
                                            NamedSharding(mesh, P()))
@@ -293,10 +332,10 @@ class ModelRunner:
         if prompt_plan is not None:
             num_top = self.config.model.max_logprobs
             self._count_shape(("step_prompt_logprobs", *shape, num_top))
-            self.k_cache, self.v_cache, logits, drafts, prompt_out = _step_prompt_logprobs(
-                self._statics(arrays), layout, num_top, self.params, self.k_cache,
-                self.v_cache, prev, replicate(inputs, self.mesh),
-                replicate(prompt_plan.targets, self.mesh))
+            (self.k_cache, self.v_cache, self.draft_kv, logits, drafts,
+             prompt_out) = _step_prompt_logprobs(
+                self._statics(arrays), layout, num_top, *self._weights_and_caches(), prev,
+                replicate(inputs, self.mesh), replicate(prompt_plan.targets, self.mesh))
         else:
             key = step_key(arrays)
             if key not in self.executables:
@@ -319,12 +358,17 @@ class ModelRunner:
     def _statics(self, arrays: StepArrays) -> StepStatics:
         return self.draft_statics if arrays.device_drafts else self.statics
 
+    def _weights_and_caches(self) -> tuple[Any, ...]:
+        """The step's leading array arguments: the target's, then the draft model's (None
+        without one), each weights then caches (donated)."""
+        return self.params, self.k_cache, self.v_cache, self.draft_params, self.draft_kv
+
     def _call_step(self, arrays: StepArrays, layout: PackedLayout, prev: jax.Array,
                    inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The model step: (logits f32[S, V], device drafts i32[R, max_drafts])."""
-        args = (self.params, self.k_cache, self.v_cache, prev, inputs)
+        args = (*self._weights_and_caches(), prev, inputs)
         step = self.executables.get(step_key(arrays))
-        self.k_cache, self.v_cache, logits, drafts = (
+        self.k_cache, self.v_cache, self.draft_kv, logits, drafts = (
             _step(self._statics(arrays), layout, *args) if step is None else step(*args))
         return logits, drafts
 
@@ -344,7 +388,7 @@ class ModelRunner:
         if last is None or last.k_cache() is not self.k_cache:
             raise RuntimeError("time_last_step: no step was launched since the KV cache was "
                                "last written")
-        jax.block_until_ready((self.k_cache, self.v_cache, self.prev_sampled))
+        jax.block_until_ready((self.k_cache, self.v_cache, self.draft_kv, self.prev_sampled))
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
@@ -448,8 +492,8 @@ class ModelRunner:
     def compile_step(self, arrays: StepArrays) -> Any:
         """The model step for this bucket compiled (not run): what `jaxserve compile` saves."""
         inputs, layout = step_inputs(arrays)
-        return _step.trace(self._statics(arrays), layout, self.params, self.k_cache,
-                           self.v_cache, self.prev_sampled, inputs).lower().compile()
+        return _step.trace(self._statics(arrays), layout, *self._weights_and_caches(),
+                           self.prev_sampled, inputs).lower().compile()
 
     def compile_sampler(self, sampling: SamplingMetadata, logits: jax.ShapeDtypeStruct) -> Any:
         inputs, layout = pack(sampling)

@@ -32,16 +32,26 @@ def test_greedy_tokens_equal_single_device(gqa8, compile_cache_dir, tp, dp, back
     assert_no_leaks(llm.engine)
 
 
-def test_speculation_under_tp_and_dp_gives_the_same_greedy_tokens(gqa8, compile_cache_dir):
-    """Layer skip (its drafting program sharded like the step; n-gram drafts are host-side)."""
+@pytest.mark.parametrize("method, tp, dp", [("layer_skip", 2, 2), ("draft_model", 2, 1)])
+def test_speculation_under_tp_and_dp_gives_the_same_greedy_tokens(gqa8, compile_cache_dir,
+                                                                  method, tp, dp):
+    """Layer skip, and the target as its own draft model (its weights and cache sharded by
+    head like the target's), whose drafts are all accepted only if the sharded draft computes
+    what the target does (n-gram drafts are host-side)."""
     path, prompts, expected = gqa8
-    spec = {"method": "layer_skip", "num_speculative_tokens": 2, "num_layers": 1,
-            "adaptive": False}
-    llm = LLM(str(path), tensor_parallel_size=2, data_parallel_size_local=2,
-              speculative_config=spec, compilation_cache_dir=compile_cache_dir, **SMALL_ENGINE)
+    spec = {"method": method, "num_speculative_tokens": 2, "adaptive": False}
+    # The draft model's engine: one bucket each (2 programs; a draft doubles compile time).
+    extra = {"num_layers": 1} if method == "layer_skip" else {"model": str(path)}
+    buckets = {} if method == "layer_skip" else {"token_buckets": [128], "request_buckets": [16]}
+    llm = LLM(str(path), tensor_parallel_size=tp, data_parallel_size_local=dp,
+              speculative_config=spec | extra, compilation_cache_dir=compile_cache_dir,
+              **(SMALL_ENGINE | buckets))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.stats().spec_decoding.num_draft_tokens > 0
+    stats = llm.stats().spec_decoding
+    assert stats.num_draft_tokens > 0
+    if method == "draft_model":
+        assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens, stats
     assert_no_leaks(llm.engine)
 
 
