@@ -14,7 +14,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compile_check import device_draft_config, device_model_config, prepare
 from jaxserve.executor.input_batch import StepArrays
-from jaxserve.executor.model_runner import STEP_LOGITS, ProgramKey, step_key
+from jaxserve.executor.device_step import STEP_LOGITS, ProgramKey, step_key
 from jaxserve.executor.step_shapes import num_speculative_tokens, step_buckets, warm_up_programs
 from jaxserve.executor.packing import pack
 from jaxserve.executor.targets import Target

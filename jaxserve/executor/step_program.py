@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxserve.config import EngineConfig
 from jaxserve.executor.sharding import kv_cache_sharding
 from jaxserve.executor.input_batch import StepArrays
-from jaxserve.executor.model_runner import (StepStatics, _sample, _step, step_inputs,
-                                            step_statics)
+from jaxserve.executor.device_step import (StepStatics, _sample, _step, step_inputs,
+                                           step_statics)
 from jaxserve.executor.step_shapes import (bucket_pairs, max_sample_rows, num_speculative_tokens,
                                            step_buckets, step_variants)
 from jaxserve.executor.packing import pack
