@@ -109,6 +109,16 @@ def test_bad_parallel_configurations_fail_at_start_up(hf_checkpoint, kwargs, mes
 
 
 
+def test_a_draft_model_whose_heads_tp_does_not_divide_is_rejected_naming_the_field(
+        hf_checkpoint):
+    draft = hf_checkpoint("llama", num_layers=1, hidden_size=48, num_heads=3, num_kv_heads=1)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"speculative_config\.model: tensor_parallel_size 2 "
+                                         r"must divide the number of attention heads \(3\)"):
+        LLM(str(hf_checkpoint("llama")), tensor_parallel_size=2, speculative_config=spec,
+            **SMALL_ENGINE)
+
+
 def test_tp_neither_dividing_nor_a_multiple_of_the_kv_heads_is_rejected():
     from jaxserve.executor.sharding import validate_tensor_parallel
     from jaxserve.models.llama_config import LlamaConfig
