@@ -27,7 +27,7 @@ from jaxserve.layers.sampler import SamplerOutput, TokenLogprobs, sample, token_
 from jaxserve.models.llama import Llama
 
 ProgramKey = tuple[str, PackedLayout | None]  # (kind, the packed inputs' layout)
-DraftKV = tuple[jax.Array, jax.Array] | None  # the draft model's (k_cache, v_cache)
+DraftKV = tuple[jax.Array, jax.Array] | None  # the draft model's (k, v) [L_d, Hkv_d, NB, BS, D_d]
 STEP_LOGITS = 3  # `_step` returns (k_cache, v_cache, draft_kv, logits, drafts)
 
 
