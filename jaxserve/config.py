@@ -170,7 +170,8 @@ class EngineConfig:
                              f"(integers >= 0), got {p.devices!r}")
         if p.disaggregation is not None:
             p.disaggregation = normalize_disaggregation(p.disaggregation, self)
-        s.speculative_config = normalize_speculative(s.speculative_config)
+        s.speculative_config = normalize_speculative(s.speculative_config,
+                                                     tensor_parallel_size=p.tensor_parallel_size)
         if s.speculative_config is not None and p.disaggregation is not None:
             raise ValueError("speculative_config: not supported with disaggregation yet")
         for name in ("token_buckets", "request_buckets"):

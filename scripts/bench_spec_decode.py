@@ -1,7 +1,8 @@
 """Speculative decoding: output tokens/s with it off against each proposer, side by side.
 
 One process, one engine per proposer (speculation off, ngram prompt lookup, layer_skip
-self-speculation from the target's first half of layers), all holding the same weights. For
+self-speculation from the target's first half of layers, draft_model with the target itself
+as the draft), all holding the same weights. For
 each model, workload and batch size every engine gets a warm-up run of the very workload it
 is then timed on (every program is compiled at start: precompile), then `--repeats` timed runs,
 engines alternating so that a shared machine's drift hits all of them alike; the best run
@@ -59,15 +60,19 @@ SIZES = {  # full run / --quick
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 4}
 LAYER_SKIP_K = 3
+DRAFT_MODEL_K = 3
 OPENERS = ("Once upon a time", "One day, a little girl", "Tom had a big red ball",
            "The sun was shining", "Lily wanted to", "There was a small bird",
            "Ben and his mom went to", "A little dog named Max")
 GOAL_SPEEDUP, GOAL_SLOWDOWN = 2.0, 0.95
 
 
-def proposers(num_layers: int, args: argparse.Namespace) -> dict[str, dict[str, Any] | None]:
+def proposers(hf_dir: Path, num_layers: int, args: argparse.Namespace,
+              ) -> dict[str, dict[str, Any] | None]:
     """label -> speculative_config (None: off). "off-sync": off without async scheduling (what
-    drafting steps go without), only on request (--proposers)."""
+    drafting steps go without), only on request (--proposers). draft_model: the target is its
+    own draft (no smaller model of these vocabularies is at hand; a random one would never be
+    accepted), so every greedy draft is accepted at the cost of a second full model."""
     half = args.layer_skip_layers or max(1, num_layers // 2)
     lookup_min, lookup_max = (int(n) for n in args.ngram_lookup.split("-"))
     ngram = {**NGRAM, "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max}
@@ -78,6 +83,9 @@ def proposers(num_layers: int, args: argparse.Namespace) -> dict[str, dict[str, 
         "ngram-always (no adaptive switch)": {**ngram, "adaptive": False},
         f"layer_skip (k={LAYER_SKIP_K}, {half} of {num_layers} layers)":
             {"method": "layer_skip", "num_speculative_tokens": LAYER_SKIP_K, "num_layers": half},
+        f"draft_model (k={DRAFT_MODEL_K}, draft = the target itself)":
+            {"method": "draft_model", "model": str(hf_dir),
+             "num_speculative_tokens": DRAFT_MODEL_K},
     }
 
 
@@ -223,8 +231,8 @@ def bench_model(name: str, hf_dir: Path, stories_bin: Path | None, args: argpars
     vocab, num_layers = hf_config["vocab_size"], hf_config["num_hidden_layers"]
     max_batch = max(args.batches)
     n = max_batch * args.waves
-    wanted = args.proposers or {"off", "ngram", "ngram-always", "layer_skip"}
-    configs = [Config(label, spec) for label, spec in proposers(num_layers, args).items()
+    wanted = args.proposers or {"off", "ngram", "ngram-always", "layer_skip", "draft_model"}
+    configs = [Config(label, spec) for label, spec in proposers(hf_dir, num_layers, args).items()
                if label.split(" ")[0] in wanted]
     if configs[0].label != "off":
         configs.insert(0, Config("off", None))  # the baseline every ratio needs
@@ -321,8 +329,9 @@ def main() -> None:
                    help="dummy (dummy-30m) and/or stories (stories260k)")
     p.add_argument("--batches", default="1,8", help="requests submitted together")
     p.add_argument("--proposers", default=None,
-                   help="of off,off-sync,ngram,ngram-always,layer_skip (default: all but "
-                        "off-sync; off always runs; off-sync: off without async scheduling; "
+                   help="of off,off-sync,ngram,ngram-always,layer_skip,draft_model (default: "
+                        "all but off-sync; off always runs; off-sync: off without async "
+                        "scheduling; "
                         "ngram-always: drafting never switched off)")
     p.add_argument("--ngram-lookup", default="1-4",
                    help="ngram's prompt_lookup_min-prompt_lookup_max (default 1-4)")
@@ -393,7 +402,10 @@ def main() -> None:
         "and not and keeps the faster ('ngram-always' never switches drafting off); 'off' "
         "(async) is the engine as it ships"
         + (" and 'off-sync' is off without it" if "off-sync" in (args.proposers or ()) else "")
-        + ". No prefix caching.\n\n"
+        + ". draft_model drafts with the target itself (a second copy of its weights and KV "
+        "cache): greedy, every draft is accepted, so its row is the ceiling of what a draft "
+        "buys against the full cost of a draft forward over every token, not a realistic "
+        "pairing (no smaller model of these vocabularies is at hand). No prefix caching.\n\n"
         + markdown_table(["model", "workload", "batch", "proposer", "output tok/s (wall)",
                           "ratio to off (wall)", "ratio to off (CPU)", "acceptance rate",
                           "mean acceptance length", "steps", "same greedy tokens"], rows))

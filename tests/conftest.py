@@ -59,6 +59,24 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
 
 
 @pytest.fixture(scope="session")
+def truncated_draft(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: `truncated_draft(target, num_layers, num_kv_heads)` -> a draft checkpoint cut
+    from the target's first layers (hf_checkpoints.build_truncated_draft), built once."""
+    cache: dict[tuple, Path] = {}
+    root = tmp_path_factory.mktemp("drafts")
+
+    def build(target: Path, num_layers: int, num_kv_heads: int) -> Path:
+        key = (str(target), num_layers, num_kv_heads)
+        if key not in cache:
+            from hf_checkpoints import build_truncated_draft
+
+            cache[key] = build_truncated_draft(root, target, num_layers, num_kv_heads)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def compile_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One persistent XLA cache for the session: engines with equal shapes reuse compilations."""
     return str(tmp_path_factory.mktemp("xla_cache"))

@@ -31,14 +31,18 @@ _MODEL_CACHE: dict[str, Any] = {}
 
 
 def _hf_config(kind: str, *, tie: bool, num_kv_heads: int, vocab_size: int,
-               num_heads: int = 4) -> Any:
+               num_heads: int = 4, num_layers: int = 2, hidden_size: int = 64,
+               max_position_embeddings: int | None = None) -> Any:
     import transformers
 
     common: dict[str, Any] = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, tie_word_embeddings=tie,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, tie_word_embeddings=tie,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, rms_norm_eps=1e-6,
     )
+    if max_position_embeddings is not None:
+        common["max_position_embeddings"] = max_position_embeddings
     if kind == "llama":
         return transformers.LlamaConfig(**common, rope_theta=10000.0)
     if kind == "llama3.1":
@@ -91,12 +95,14 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 320) -> None:
 def build_hf_checkpoint(tmp_dir: Path, kind: str, *, tie: bool = False,
                         num_kv_heads: int | None = None, seed: int = 0, vocab_size: int = 320,
                         dtype: str = "float32", max_shard_size: str | None = None,
-                        num_heads: int = 4) -> Path:
+                        num_heads: int = 4, num_layers: int = 2, hidden_size: int = 64,
+                        max_position_embeddings: int | None = None) -> Path:
     """Write a tiny random checkpoint of `kind` (hidden 64, 2 layers, 4 heads, head_dim 16;
     qwen3: head_dim 32; `num_heads` 8 gives head_dim 8) with 2 KV heads by default (GQA; pass
     num_heads for MHA) into a new directory
     under `tmp_dir` and return it. `max_shard_size` (e.g. "40KB") writes a sharded checkpoint
-    with `model.safetensors.index.json`."""
+    with `model.safetensors.index.json`. `num_layers`, `hidden_size` (the MLP twice as wide)
+    and `max_position_embeddings` change the shape (draft models)."""
     import torch
     import transformers
 
@@ -104,9 +110,12 @@ def build_hf_checkpoint(tmp_dir: Path, kind: str, *, tie: bool = False,
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     config = _hf_config(kind, tie=tie, num_kv_heads=num_kv_heads or 2, vocab_size=vocab_size,
-                        num_heads=num_heads)
+                        num_heads=num_heads, num_layers=num_layers, hidden_size=hidden_size,
+                        max_position_embeddings=max_position_embeddings)
+    shape = (f"-L{num_layers}-d{hidden_size}" if (num_layers, hidden_size) != (2, 64) else ""
+             ) + (f"-pos{max_position_embeddings}" if max_position_embeddings else "")
     name = (f"{kind}-{'tied' if tie else 'untied'}-h{num_heads}-kv{config.num_key_value_heads}"
-            f"-s{seed}"
+            f"-s{seed}{shape}"
             f"-v{vocab_size}-{dtype}" + (f"-shard{max_shard_size}" if max_shard_size else ""))
     out_dir = Path(tmp_dir) / name
     torch.manual_seed(seed)
@@ -116,6 +125,36 @@ def build_hf_checkpoint(tmp_dir: Path, kind: str, *, tie: bool = False,
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(out_dir), **kwargs)
     build_tokenizer(out_dir, vocab_size)
+    return out_dir
+
+
+def build_truncated_draft(tmp_dir: Path, target: Path, num_layers: int,
+                          num_kv_heads: int) -> Path:
+    """A draft model cut from `target`: its first `num_layers` layers, final norm and LM head,
+    each KV head repeated up to `num_kv_heads` (the same function, a KV cache of another
+    shape), saved with `save_pretrained` as a checkpoint of its own. It computes what the
+    target's first layers do (layer skip's drafts), so it agrees with the target often."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+    cfg = model.config
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    state = {}
+    for name, w in model.state_dict().items():
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
+            continue
+        if ".k_proj." in name or ".v_proj." in name:  # [Hkv * D, ...]: rows by head
+            heads = w.reshape(kv_heads, -1).repeat_interleave(num_kv_heads // kv_heads, 0)
+            w = heads.reshape(num_kv_heads * head_dim, *w.shape[1:])
+        state[name] = w
+    draft_cfg = cfg.__class__(**(cfg.to_dict() | {"num_hidden_layers": num_layers,
+                                                   "num_key_value_heads": num_kv_heads}))
+    draft = transformers.AutoModelForCausalLM.from_config(draft_cfg, dtype=torch.float32)
+    draft.load_state_dict(state, strict=True)
+    out_dir = Path(tmp_dir) / f"{target.name}-first{num_layers}-kv{num_kv_heads}"
+    draft.save_pretrained(str(out_dir))
     return out_dir
 
 

@@ -40,7 +40,7 @@ class DraftPolicy:
     def drafts(self, request: Request, budget: int, num_running: int, step: int) -> list[int]:
         """This step's drafts: none unless `may_draft`, or past max_tokens, max_model_len or
         the budget (tokens in flight counted as if all were accepted); -1 for a draft the step
-        proposes on the device (layer skip)."""
+        proposes on the device (layer skip, draft model)."""
         if not self.may_draft(request, num_running, step):
             return []
         spec = self.spec

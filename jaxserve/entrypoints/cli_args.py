@@ -48,9 +48,11 @@ HELP = {
                              "one kind)",
     "async_scheduling": "schedule and launch step N+1 while step N runs",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
-                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5} or "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}, "
                           "{\"method\": \"layer_skip\", \"num_speculative_tokens\": 3, "
-                          "\"num_layers\": 2} (default: off)",
+                          "\"num_layers\": 2} or {\"method\": \"draft_model\", "
+                          "\"model\": \"PATH\", \"num_speculative_tokens\": 3} "
+                          "(default: off)",
     "attention_backend": "attention implementation: auto (pallas on TPU/GPU, xla on CPU), "
                          "xla, pallas, or pallas_interpret",
     "scan_layers": "run the layers as one lax.scan (default: on TPU/GPU, not on CPU)",

@@ -12,11 +12,10 @@ import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig
 from jaxserve.executor import compiled_dir
-from jaxserve.executor.compile_check import device_model_config, prepare
+from jaxserve.executor.compile_check import device_draft_config, device_model_config, prepare
 from jaxserve.executor.input_batch import StepArrays
-from jaxserve.executor.model_runner import ProgramKey, step_key
-from jaxserve.executor.step_shapes import (device_draft_statics, num_speculative_tokens,
-                                           step_buckets, warm_up_programs)
+from jaxserve.executor.device_step import STEP_LOGITS, ProgramKey, step_key
+from jaxserve.executor.step_shapes import num_speculative_tokens, step_buckets, warm_up_programs
 from jaxserve.executor.packing import pack
 from jaxserve.executor.targets import Target
 from jaxserve.layers.sampler import SamplingMetadata
@@ -45,7 +44,7 @@ def compile_all(compiler: ProgramCompiler,
         if sample_key not in programs and sample_key not in left:
             try:
                 programs[sample_key] = compiler.compile_sampler(
-                    sampling, programs[key].out_info[2])
+                    sampling, programs[key].out_info[STEP_LOGITS])
             except Exception as e:  # noqa: BLE001 - reported; the device compiles it at start
                 left[sample_key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return programs, left
@@ -69,14 +68,16 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
     programs, left = compile_all(program, warm_up_programs(
         token_buckets, request_buckets, program.max_blocks_per_seq, cfg.eos_token_ids,
         config.model.max_logprobs, cfg.vocab_size, num_speculative_tokens(config),
-        device_draft_statics(config)[0] > 0))
-    kv = program.kv
+        program.draft_statics is not None))
+    caches = [c for kv in (program.kv, program.draft_kv) if kv is not None for c in (kv, kv)]
     programs[compiled_dir.KV_INIT] = jax.jit(
-        lambda: (jnp.zeros(kv.shape, kv.dtype), jnp.zeros(kv.shape, kv.dtype)),
-        out_shardings=(kv.sharding, kv.sharding)).trace().lower().compile()
+        lambda: tuple(jnp.zeros(kv.shape, kv.dtype) for kv in caches),
+        out_shardings=tuple(kv.sharding for kv in caches)).trace().lower().compile()
+    max_model_len = config.model.max_model_len or cfg.max_position_embeddings
     fp = compiled_dir.fingerprint(
         config, device_model_config(cfg, config.parallel.tensor_parallel_size),
         platform=target.platform,
         device_kind=target.device_kind, num_blocks=report.num_blocks,
-        max_model_len=config.model.max_model_len or cfg.max_position_embeddings)
+        max_model_len=max_model_len,
+        draft=device_draft_config(config, cfg, max_model_len))
     return compiled_dir.save(out, programs, fp, left), len(programs)

@@ -23,13 +23,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import EngineConfig
+from jaxserve.executor.draft_model import FIELD as DRAFT_FIELD, check_draft, read_draft_config
 from jaxserve.executor.sharding import (AXIS, padded_vocab_size,
                                            param_sharding, validate_tensor_parallel)
 from jaxserve.executor.model_runner import dtype_of
 from jaxserve.executor.step_shapes import (bucket_pairs, num_speculative_tokens, step_buckets,
                                            step_variants)
-from jaxserve.executor.step_program import (StepProgram, kv_blocks_for, largest_step_temp_bytes,
-                                            step_program)
+from jaxserve.executor.step_program import (ModelParts, StepProgram, kv_blocks_for,
+                                            largest_step_temp_bytes, step_program)
 from jaxserve.executor.targets import Target
 from jaxserve.layers.attention import get_attention_backend, scatter_write
 from jaxserve.layers.axes import DATA_AXIS
@@ -44,7 +45,7 @@ class BucketReport:
     num_tokens: int
     num_reqs: int
     num_sample_rows: int = 0  # S: more than num_reqs in a speculative step's variant
-    device_drafts: bool = False  # the layer-skip drafting program
+    device_drafts: bool = False  # the drafting program (layer skip, draft model)
     compiled: bool = False
     error: str | None = None
     compile_seconds: float = 0.0
@@ -64,8 +65,10 @@ class CompileReport:
     dtype: str
     block_size: int
     num_blocks: int
-    weight_bytes: int  # per device
-    kv_bytes: int  # per device
+    weight_bytes: int  # per device (the draft model's included)
+    kv_bytes: int  # per device (the draft model's cache included)
+    layer_kv_bytes: int  # per device: the smaller of the caches' layers, the copy gate's size
+    draft_num_layers: int = 0  # speculative draft_model: the draft's layers
     buckets: list[BucketReport] = field(default_factory=list)
 
     @property
@@ -123,6 +126,20 @@ def abstract_model(cfg: LlamaConfig, mesh: Mesh, dtype: Any,
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
 
     return graphdef, jax.tree_util.tree_map_with_path(placed, state)
+
+
+def device_draft_config(config: EngineConfig, target: LlamaConfig,
+                        max_model_len: int) -> LlamaConfig | None:
+    """The draft model's config (speculative draft_model) as the devices hold it, read from
+    its config file and checked against the target's; None without one."""
+    draft = read_draft_config(config)
+    if draft is None:
+        return None
+    check_draft(draft, target, max_model_len)
+    try:
+        return device_model_config(draft, config.parallel.tensor_parallel_size)
+    except ValueError as e:
+        raise ValueError(f"{DRAFT_FIELD}: {e}") from None
 
 
 def per_device_bytes(tree: Any) -> int:
@@ -212,22 +229,31 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
     backend = get_attention_backend(config.runner.attention_backend, target.platform, mesh)
     if kv_write == "scatter":
         backend = dataclasses.replace(backend, writer=scatter_write)
-    block_bytes = kv_cache_bytes_per_block(cfg, bs, dtype) // tp
-    graphdef, state = abstract_model(cfg, mesh, dtype, config.runner.scans_layers(target.platform))
+    scan = config.runner.scans_layers(target.platform)
+    draft_cfg = device_draft_config(config, cfg, max_model_len)
+    cfgs = [cfg] + ([] if draft_cfg is None else [draft_cfg])
+    model = ModelParts(*abstract_model(cfg, mesh, dtype, scan), cfg)
+    draft = None if draft_cfg is None else ModelParts(
+        *abstract_model(draft_cfg, mesh, dtype, scan), draft_cfg)
+    block_bytes = sum(kv_cache_bytes_per_block(c, bs, dtype) for c in cfgs) // tp
+    weight_bytes = per_device_bytes(model.state) + per_device_bytes(draft and draft.state)
     num_blocks = config.cache.num_kv_blocks
     if num_blocks is None:  # profile the largest step on a minimal pool, then size the pool
         try:
-            temp = largest_step_temp_bytes(graphdef, state, cfg, config, backend, max_model_len)
+            temp = largest_step_temp_bytes(model, config, backend, max_model_len, draft)
         except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
             raise ValueError(f"the largest step does not compile on {target.name}: "
                              f"{_first_line(e)}") from None
         num_blocks = max(min_blocks, kv_blocks_for(
-            target.hbm_bytes, config.cache.gpu_memory_utilization, per_device_bytes(state),
-            temp, block_bytes))
-    program = step_program(graphdef, state, cfg, config, backend, num_blocks, max_model_len)
+            target.hbm_bytes, config.cache.gpu_memory_utilization, weight_bytes, temp,
+            block_bytes))
+    program = step_program(model, config, backend, num_blocks, max_model_len, draft)
+    layer_kv_bytes = min(kv_cache_bytes_per_block(c, bs, dtype) * num_blocks
+                         // (2 * c.num_layers * tp) for c in cfgs)
     report = CompileReport(target.name, target.device_kind, target.hbm_bytes, cfg.num_layers,
-                           tp, jnp.dtype(dtype).name, bs, num_blocks,
-                           per_device_bytes(program.state), num_blocks * block_bytes)
+                           tp, jnp.dtype(dtype).name, bs, num_blocks, weight_bytes,
+                           num_blocks * block_bytes, layer_kv_bytes,
+                           0 if draft_cfg is None else draft_cfg.num_layers)
     return program, report
 
 
@@ -235,20 +261,22 @@ def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
           buckets: list[tuple[int, int]] | None = None, kv_write: str = "kernel",
           ) -> CompileReport:
     """Compile the model step for every bucket (or the given ones) on the target, in each of
-    its variants with speculative decoding on (more sample rows; layer skip's drafting)."""
+    its variants with speculative decoding on (more sample rows; the drafting program)."""
     program, report = prepare(target, cfg, config, kv_write)
-    layer_kv_bytes = report.kv_bytes // (2 * report.num_layers)
     k = num_speculative_tokens(config)
     for T, R in buckets or bucket_pairs(*step_buckets(config)):
         for S, drafting in step_variants(T, R, k, program.draft_statics is not None):
-            report.buckets.append(compile_bucket(program, T, R, layer_kv_bytes, S, drafting))
+            report.buckets.append(compile_bucket(program, T, R, report.layer_kv_bytes, S,
+                                                 drafting))
     return report
 
 
 def format_report(report: CompileReport) -> str:
     gib = 2**30
+    draft = (f" + a draft model of {report.draft_num_layers} layers"
+             if report.draft_num_layers else "")
     head = (f"{report.target} ({report.device_kind}, {report.hbm_bytes / gib:.1f} GiB HBM per "
-            f"device), {report.num_layers} layers, TP {report.tensor_parallel_size}, "
+            f"device), {report.num_layers} layers{draft}, TP {report.tensor_parallel_size}, "
             f"{report.dtype}: weights {report.weight_bytes / gib:.2f} GiB + KV "
             f"{report.kv_bytes / gib:.2f} GiB per device = {report.num_blocks} blocks of "
             f"{report.block_size} ({report.kv_tokens} tokens)")

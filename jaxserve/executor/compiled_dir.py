@@ -3,9 +3,10 @@
 `jaxserve compile` writes every program the engine's warm-up would build (each model-step
 bucket, each sampler variant) and the one that allocates the KV pool; an engine given
 `compiled_dir` loads them and calls them directly, compiling nothing. The manifest's
-fingerprint (jax/jaxlib/plugin versions, target, model config, every engine argument that
-affects shapes or sharding, the KV pool size) must equal the engine's own; each file's sha256 is checked before it is unpickled, so a corrupt or
-truncated file is refused, never loaded. Load only directories you built: files are pickles.
+fingerprint (jax/jaxlib/plugin versions, target, model config and the draft model's, every
+engine argument that affects shapes or sharding, the KV pool size) must equal the engine's
+own; each file's sha256 is checked before it is unpickled, so a corrupt or truncated file is
+refused, never loaded. Load only directories you built: files are pickles.
 """
 
 from __future__ import annotations
@@ -49,15 +50,19 @@ def _versions() -> dict[str, str]:
 
 
 def fingerprint(config: EngineConfig, model: LlamaConfig, *, platform: str, device_kind: str,
-                num_blocks: int, max_model_len: int, versions: bool = True) -> dict[str, Any]:
-    """Everything the programs depend on, JSON-normalised so a saved copy compares equal."""
+                num_blocks: int, max_model_len: int, draft: LlamaConfig | None = None,
+                versions: bool = True) -> dict[str, Any]:
+    """Everything the programs depend on, JSON-normalised so a saved copy compares equal.
+    `draft`: the draft model's config as placed (speculative draft_model). Models enter by
+    their architecture, not their path or weights, which the programs take as inputs."""
     args = config.to_kwargs()
     fp = {"format": FORMAT, "platform": platform, "device_kind": device_kind,
           "model": dataclasses.asdict(model), "num_blocks": num_blocks,
           "resolved_max_model_len": max_model_len,
           **{name: args[name] for name in SHAPE_ARGS}}
-    spec = config.scheduler.speculative_config  # drafts shape the programs: k, layer skip
-    fp["speculative_config"] = None if spec is None else spec.to_dict()
+    spec = config.scheduler.speculative_config  # drafts shape the programs: k, who drafts
+    fp["speculative_config"] = None if spec is None else spec.to_dict() | {"model": None}
+    fp["draft_model"] = None if draft is None else dataclasses.asdict(draft)
     if versions:
         fp["versions"] = _versions()
     return json.loads(json.dumps(fp))

@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.executor.draft_model import load_draft
 from jaxserve.executor.mesh import initialize_distributed, rank_meshes
 from jaxserve.executor.model_runner import PendingStep, UnexpectedCompilationError
 from jaxserve.executor.worker import BuiltWorker, Worker, restores_sharded
@@ -23,7 +24,8 @@ class Executor:
         m = config.model
         if loaded is None and not restores_sharded(config):
             loaded = load_model(m.model, m.load_format, seed=m.seed)
-        self.workers = [Worker(config, loaded, mesh) for mesh in rank_meshes(
+        draft = load_draft(config)
+        self.workers = [Worker(config, loaded, mesh, draft) for mesh in rank_meshes(
             config.parallel, select_devices(config.parallel.devices))]
 
     @property
@@ -67,7 +69,8 @@ class Executor:
         """Whether a worker's KV cache or last sampled ids are gone or hold an error (a failed
         device computation poisons its outputs and may have consumed its donated inputs)."""
         for w in self.workers:
-            for array in (w.runner.k_cache, w.runner.v_cache, *w.runner.prev):
+            for array in (w.runner.k_cache, w.runner.v_cache, *(w.runner.draft_kv or ()),
+                          *w.runner.prev):
                 try:
                     if array.is_deleted():
                         return True

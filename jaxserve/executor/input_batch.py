@@ -54,7 +54,7 @@ class StepArrays:
     # the drafts it carries there, whose rejected ones move this step's positions back
     prev_base: np.ndarray
     prev_drafts: np.ndarray
-    device_drafts: bool = False  # the drafts are proposed by the step (layer skip)
+    device_drafts: bool = False  # the drafts are proposed by the step (layer skip, draft model)
 
     @staticmethod
     def empty(num_tokens: int, num_reqs: int, max_blocks_per_seq: int,
@@ -122,7 +122,7 @@ class InputBatch:
         """`running_rows`: request -> (its first sample row, its drafts) in the step still
         running, for the requests whose next input that step samples (async scheduling: their
         positions here assume it accepts every draft). `drafts_on_device`: the step proposes
-        the drafts (layer skip), in the drafting program."""
+        the drafts (layer skip, draft model), in the drafting program."""
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(req_ids))

@@ -1,11 +1,11 @@
 """ModelRunner: turns a SchedulerOutput into one device step and returns sampled ids.
 
-A step is two jitted pure functions: the model `(params, kv_caches, batch) -> (kv_caches,
-logits)`, with the KV cache donated, then the sampler `(logits, sampling) -> (sampled,
-logprobs)`. The model's shapes come only from the bucket lists, so after warm-up it never
-compiles again; the sampler's also depend on the padded token-history widths that penalties
-need, and compiling a new width recompiles only the sampler. The runner counts compilations
-and, in strict mode, raises on a new one.
+A step is two jitted pure functions (executor/device_step.py): the model `(params, kv_caches,
+batch) -> (kv_caches, logits)`, with the KV cache donated (a draft model's weights and cache
+are arguments too), then the sampler `(logits, sampling) -> (sampled, logprobs)`. The model's shapes come only from the bucket lists, so after warm-up
+it never compiles again; the sampler's also depend on the padded token-history widths that
+penalties need, and compiling a new width recompiles only the sampler. The runner counts
+compilations and, in strict mode, raises on a new one.
 
 A step may be launched before the previous one's sampled ids reach the host (async
 scheduling): its decode inputs are then read from the previous step's ids on the device, and
@@ -15,8 +15,6 @@ drafts it accepted (spec_verify.py).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import time
 import weakref
@@ -33,23 +31,23 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.executor.mesh import replicate, to_host
+from jaxserve.executor.device_step import (DraftKV, PrevSamples, ProgramKey, StepStatics,
+                                           _sample, _step, _step_prompt_logprobs,
+                                           sample_rows_shape, step_inputs, step_key,
+                                           step_statics)
 from jaxserve.executor.input_batch import InputBatch, StepArrays
 from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_blocks,
                                          padded_block_ids, scatter_blocks)
-from jaxserve.executor.packing import PackedLayout, pack, unpack
-from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
-from jaxserve.executor.layer_skip_drafts import layer_skip_drafts
-from jaxserve.executor.spec_verify import (accepted_drafts, accepted_tokens,
-                                           resolve_previous_step, sample_rows)
-from jaxserve.executor.step_shapes import (device_draft_statics, max_sample_rows,
-                                           num_speculative_tokens, step_buckets,
-                                           warm_up_programs)
+from jaxserve.executor.packing import PackedLayout, pack
+from jaxserve.layers.attention import AttentionBackend
+from jaxserve.executor.spec_verify import accepted_tokens
+from jaxserve.executor.step_shapes import (max_sample_rows, num_speculative_tokens,
+                                           step_buckets, warm_up_programs)
 from jaxserve.executor.prompt_logprobs import (PromptLogprobsPlan, finished_prompt_logprobs,
                                                plan_prompt_logprobs, record_prompt_logprobs)
 from jaxserve.layers.axes import AXIS
 from jaxserve.layers.sampler import (RowSpec, SamplerOutput, SamplingMetadata, TokenLogprobs,
-                                     logprobs_width, make_sampling_metadata, sample,
-                                     token_logprobs)
+                                     logprobs_width, make_sampling_metadata)
 from jaxserve.models.llama import Llama
 
 logger = logging.getLogger(__name__)
@@ -57,21 +55,6 @@ logger = logging.getLogger(__name__)
 
 class UnexpectedCompilationError(RuntimeError):
     pass
-
-
-ProgramKey = tuple[str, PackedLayout | None]  # (kind, the packed inputs' layout)
-
-
-class PrevSamples(NamedTuple):
-    """What the last launched step samples, as the next step's inputs read it on the device
-    (sample-row order)."""
-    sampled: jax.Array  # i32[max sample rows]  the sampled ids
-    accepted: jax.Array  # i32[max sample rows]  the drafts each row's request accepted
-
-
-def sample_rows_shape(num_rows: int) -> jax.ShapeDtypeStruct:
-    """The model step's `rows` output, i32[3, S], as the sampler program takes it."""
-    return jax.ShapeDtypeStruct((3, num_rows), jnp.int32)
 
 
 class PendingStep(NamedTuple):
@@ -96,111 +79,6 @@ class _LastStep(NamedTuple):
     k_cache: weakref.ref[jax.Array]
 
 
-class StepStatics:
-    """The jitted step's static arguments. jit hashes static arguments on every call, and an
-    NNX GraphDef takes milliseconds to hash, so the hash is computed once here.
-    `draft_layers` > 0: the step drafts up to `max_drafts` tokens a request on the device
-    from the model's first `draft_layers` layers (layer-skip self-speculation)."""
-
-    def __init__(self, graphdef: nnx.GraphDef, backend: AttentionBackend,
-                 kv_sharding: NamedSharding, draft_layers: int = 0, max_drafts: int = 0):
-        self.graphdef, self.backend, self.kv_sharding = graphdef, backend, kv_sharding
-        self.draft_layers, self.max_drafts = draft_layers, max_drafts
-        self._key = (graphdef, backend, kv_sharding, draft_layers, max_drafts)
-        self._hash = hash(self._key)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, StepStatics) and self._hash == other._hash
-                                 and self._key == other._key)
-
-
-class _Forward(NamedTuple):
-    model: Llama
-    hidden: jax.Array  # [T, D]
-    k_cache: jax.Array
-    v_cache: jax.Array
-    logits_indices: jax.Array  # i32[S]
-    drafts: jax.Array  # i32[R, max_drafts], proposed on the device (none: [R, 0])
-    rows: jax.Array  # i32[3, S]  spec_verify.sample_rows: the sampler's row drafts and shifts
-
-
-def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
-             v_cache: jax.Array, prev: PrevSamples, inputs: jax.Array) -> _Forward:
-    # inputs: i32[n], the packed (input_ids, prev_rows, AttentionMetadata, logits_indices,
-    # draft_starts, num_drafts, prev_base, prev_drafts)
-    (input_ids, prev_rows, md, logits_indices, draft_starts, num_drafts, prev_base,
-     prev_drafts) = unpack(layout, inputs)
-    input_ids, md, token_shift = resolve_previous_step(
-        input_ids, prev_rows, md, prev.sampled, prev.accepted, prev_base, prev_drafts,
-        block_size=k_cache.shape[3])
-    model = nnx.merge(statics.graphdef, state)
-    drafts = jnp.zeros((draft_starts.shape[0], 0), jnp.int32)
-    if statics.draft_layers:
-        input_ids, drafts, k_cache, v_cache = layer_skip_drafts(
-            model, statics.backend, statics.draft_layers, statics.max_drafts, input_ids, md,
-            draft_starts, num_drafts, k_cache, v_cache)
-    hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend)
-    # Pin the cache's layout so the donated buffers come back exactly as they went in.
-    k_cache = jax.lax.with_sharding_constraint(k_cache, statics.kv_sharding)
-    v_cache = jax.lax.with_sharding_constraint(v_cache, statics.kv_sharding)
-    rows = sample_rows(input_ids, md.query_start_loc, logits_indices, draft_starts, num_drafts,
-                       token_shift)
-    return _Forward(model, hidden, k_cache, v_cache, logits_indices, drafts, rows)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
-def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
-          v_cache: jax.Array, prev: PrevSamples, inputs: jax.Array,
-          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    f = _forward(statics, layout, state, k_cache, v_cache, prev, inputs)
-    return (f.k_cache, f.v_cache, f.model.compute_logits(f.hidden[f.logits_indices]), f.drafts,
-            f.rows)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
-def _step_prompt_logprobs(statics: StepStatics, layout: PackedLayout, num_top: int,
-                          state: nnx.State, k_cache: jax.Array, v_cache: jax.Array,
-                          prev: PrevSamples, inputs: jax.Array, targets: jax.Array,
-                          ) -> tuple[jax.Array, ...]:
-    """`_step`, plus every token row's logprob of `targets` (i32[T], the next prompt token):
-    a separate program per token bucket, run only for steps where a row asks."""
-    f = _forward(statics, layout, state, k_cache, v_cache, prev, inputs)
-    # The sampler's rows as in `_step` (the same tokens with or without prompt logprobs).
-    logits = f.model.compute_logits(f.hidden[f.logits_indices])            # f32[S, V]
-    return f.k_cache, f.v_cache, logits, f.drafts, f.rows, token_logprobs(
-        f.model.compute_logits(f.hidden), targets, num_top)                # over [T, V]
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _sample(layout: PackedLayout, logits: jax.Array, prev: PrevSamples, rows: jax.Array,
-            inputs: jax.Array) -> tuple[SamplerOutput, PrevSamples]:
-    # inputs: i32[n], the packed SamplingMetadata; rows: i32[3, S] from the model step. Also
-    # returns what the next step's inputs read: `prev` with its first S rows replaced.
-    md = unpack(layout, inputs)
-    # A request that moved back moves its step keys too: (seed, step) as without drafts.
-    out = sample(logits, dataclasses.replace(md, steps=md.steps - rows[2]))
-    S = out.sampled.shape[0]
-    return out, PrevSamples(prev.sampled.at[:S].set(out.sampled),
-                            prev.accepted.at[:S].set(accepted_drafts(out.sampled, rows)))
-
-
-def step_key(arrays: StepArrays) -> ProgramKey:
-    """The model program of a step: its packed layout, and whether it drafts on the device."""
-    return ("step_drafting" if arrays.device_drafts else "step", step_inputs(arrays)[1])
-
-
-def step_inputs(arrays: StepArrays) -> tuple[np.ndarray, PackedLayout]:
-    """The model step's packed host inputs."""
-    md = AttentionMetadata(positions=arrays.positions, slot_mapping=arrays.slot_mapping,
-                           query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
-                           block_tables=arrays.block_tables)
-    return pack((arrays.input_ids, arrays.prev_rows, md, arrays.logits_indices,
-                 arrays.draft_starts, arrays.num_drafts, arrays.prev_base, arrays.prev_drafts))
-
-
 def step_bitmask(sched: SchedulerOutput, arrays: StepArrays, num_rows: int,
                  ) -> np.ndarray | None:
     """i32[num_rows, W]: the scheduler's grammar bitmask at each constrained request's sample
@@ -217,12 +95,15 @@ def step_bitmask(sched: SchedulerOutput, arrays: StepArrays, num_rows: int,
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Llama, k_cache: jax.Array, v_cache: jax.Array,
                  backend: AttentionBackend, mesh: Mesh, max_model_len: int,
-                 eos_token_ids: tuple[int, ...]):
+                 eos_token_ids: tuple[int, ...], draft: Llama | None = None,
+                 draft_kv: DraftKV = None):
+        """`draft`, `draft_kv`: the draft model (speculative `draft_model`) and its caches."""
         self.config = config
         self.mesh = mesh
         self.kv_sharding = k_cache.sharding
         self.model = model
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.draft_kv = draft_kv
         self.eos_token_ids = eos_token_ids
         block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -233,10 +114,9 @@ class ModelRunner:
         # Module-level jits (_step, _sample): engines with the same model structure and step
         # shapes share compiled executables within a process.
         graphdef, self.params = nnx.split(model)
-        self.statics = StepStatics(graphdef, backend, self.kv_sharding)
-        draft_layers, max_drafts = device_draft_statics(config)
-        self.draft_statics = StepStatics(graphdef, backend, self.kv_sharding, draft_layers,
-                                         max_drafts) if draft_layers else None
+        draft_graphdef, self.draft_params = nnx.split(draft) if draft else (None, None)
+        self.statics, self.draft_statics = step_statics(config, graphdef, backend,
+                                                        self.kv_sharding, draft_graphdef)
         # The last launched step's samples, and per request whose next input one of them is:
         # its first sample row there and its drafts.
         zeros = jax.device_put(np.zeros(max_sample_rows(config), np.int32),
@@ -321,10 +201,10 @@ class ModelRunner:
         if prompt_plan is not None:
             num_top = self.config.model.max_logprobs
             self._count_shape(("step_prompt_logprobs", *shape, num_top))
-            self.k_cache, self.v_cache, logits, drafts, rows, prompt_out = _step_prompt_logprobs(
-                self._statics(arrays), layout, num_top, self.params, self.k_cache,
-                self.v_cache, prev, replicate(inputs, self.mesh),
-                replicate(prompt_plan.targets, self.mesh))
+            (self.k_cache, self.v_cache, self.draft_kv, logits, drafts, rows,
+             prompt_out) = _step_prompt_logprobs(
+                self._statics(arrays), layout, num_top, *self._weights_and_caches(), prev,
+                replicate(inputs, self.mesh), replicate(prompt_plan.targets, self.mesh))
         else:
             key = step_key(arrays)
             if key not in self.executables:
@@ -348,13 +228,18 @@ class ModelRunner:
     def _statics(self, arrays: StepArrays) -> StepStatics:
         return self.draft_statics if arrays.device_drafts else self.statics
 
+    def _weights_and_caches(self) -> tuple[Any, ...]:
+        """The step's leading array arguments: the target's, then the draft model's (None
+        without one), each weights then caches (donated)."""
+        return self.params, self.k_cache, self.v_cache, self.draft_params, self.draft_kv
+
     def _call_step(self, arrays: StepArrays, layout: PackedLayout, prev: PrevSamples,
                    inputs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The model step: (logits f32[S, V], device drafts i32[R, max_drafts], the sample
         rows' drafts and shifts i32[3, S])."""
-        args = (self.params, self.k_cache, self.v_cache, prev, inputs)
+        args = (*self._weights_and_caches(), prev, inputs)
         step = self.executables.get(step_key(arrays))
-        self.k_cache, self.v_cache, logits, drafts, rows = (
+        self.k_cache, self.v_cache, self.draft_kv, logits, drafts, rows = (
             _step(self._statics(arrays), layout, *args) if step is None else step(*args))
         return logits, drafts, rows
 
@@ -374,7 +259,7 @@ class ModelRunner:
         if last is None or last.k_cache() is not self.k_cache:
             raise RuntimeError("time_last_step: no step was launched since the KV cache was "
                                "last written")
-        jax.block_until_ready((self.k_cache, self.v_cache, self.prev))
+        jax.block_until_ready((self.k_cache, self.v_cache, self.draft_kv, self.prev))
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
@@ -478,8 +363,8 @@ class ModelRunner:
     def compile_step(self, arrays: StepArrays) -> Any:
         """The model step for this bucket compiled (not run): what `jaxserve compile` saves."""
         inputs, layout = step_inputs(arrays)
-        return _step.trace(self._statics(arrays), layout, self.params, self.k_cache,
-                           self.v_cache, self.prev, inputs).lower().compile()
+        return _step.trace(self._statics(arrays), layout, *self._weights_and_caches(),
+                           self.prev, inputs).lower().compile()
 
     def compile_sampler(self, sampling: SamplingMetadata, logits: jax.ShapeDtypeStruct) -> Any:
         inputs, layout = pack(sampling)

@@ -7,9 +7,13 @@ of KV heads, each KV head is duplicated so every device holds the one its query 
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxserve.executor.mesh import place
 from jaxserve.layers.axes import AXIS
 from jaxserve.models.llama_config import LlamaConfig
 
@@ -75,3 +79,16 @@ def param_sharding(mesh: Mesh, name: str, shape: tuple[int, ...]) -> NamedShardi
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(None, AXIS))  # [L, Hkv, NB, BS, D]: by KV head
+
+
+def shard_params(cfg: LlamaConfig, params: dict[str, np.ndarray], mesh: Mesh, dtype: Any,
+                 ) -> tuple[LlamaConfig, dict[str, jax.Array]]:
+    """Host weights placed on the mesh by these rules (KV heads expanded and the vocabulary
+    padded for TP): the config as placed and the device arrays."""
+    tp = mesh.shape[AXIS]
+    validate_tensor_parallel(cfg, tp)
+    cfg, params = expand_kv_heads(cfg, params, tp)
+    params = pad_vocab(params, cfg.vocab_size, tp)
+    host_dtype = np.dtype(dtype)
+    return cfg, {name: place(np.asarray(w, host_dtype), param_sharding(mesh, name, w.shape))
+                 for name, w in params.items()}

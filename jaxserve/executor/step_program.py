@@ -1,12 +1,13 @@
-"""The engine's model step as an abstract program: weights, KV cache and inputs as sharded
-ShapeDtypeStructs, lowered through the same jitted `_step` the model runner calls. The compile
-check builds it for targets without chips; the worker compiles its largest step once to learn
-the temporaries the KV pool must leave room for."""
+"""The engine's model step as an abstract program: weights, KV caches (the draft model's too,
+with speculative draft_model) and inputs as sharded ShapeDtypeStructs, lowered through the
+same jitted `_step` the model runner calls. The compile check builds it for targets without
+chips; the worker compiles its largest step once to learn the temporaries the KV pool must
+leave room for."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,14 +18,26 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxserve.config import EngineConfig
 from jaxserve.executor.sharding import kv_cache_sharding
 from jaxserve.executor.input_batch import StepArrays
-from jaxserve.executor.model_runner import (PrevSamples, StepStatics, _sample, _step,
-                                           sample_rows_shape, step_inputs)
-from jaxserve.executor.step_shapes import (bucket_pairs, device_draft_statics, max_sample_rows,
-                                           num_speculative_tokens, step_buckets, step_variants)
+from jaxserve.executor.device_step import (PrevSamples, StepStatics, _sample, _step,
+                                           sample_rows_shape, step_inputs, step_statics)
+from jaxserve.executor.step_shapes import (bucket_pairs, max_sample_rows, num_speculative_tokens,
+                                           step_buckets, step_variants)
 from jaxserve.executor.packing import pack
 from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.layers.attention import AttentionBackend
+from jaxserve.models.llama import Llama
 from jaxserve.models.llama_config import LlamaConfig
+
+
+class ModelParts(NamedTuple):
+    """A model's graph, its weights (real or abstract) on the mesh, and its config as placed."""
+    graphdef: nnx.GraphDef
+    state: Any
+    cfg: LlamaConfig
+
+    @staticmethod
+    def of(model: Llama) -> "ModelParts":
+        return ModelParts(*nnx.split(model), model.cfg)
 
 
 @dataclass(frozen=True)
@@ -35,7 +48,9 @@ class StepProgram:
     kv: jax.ShapeDtypeStruct
     prev: PrevSamples  # of ShapeDtypeStructs
     max_blocks_per_seq: int
-    draft_statics: StepStatics | None = None  # layer skip: the drafting program's
+    draft_statics: StepStatics | None = None  # the drafting program's (drafts on the device)
+    draft_state: Any = None  # the draft model's weights (speculative draft_model)
+    draft_kv: jax.ShapeDtypeStruct | None = None  # and its cache
 
     @property
     def mesh(self) -> Any:
@@ -49,8 +64,10 @@ class StepProgram:
     def compile_step(self, arrays: StepArrays) -> Any:
         inputs, layout = step_inputs(arrays)
         statics = self.draft_statics if arrays.device_drafts else self.statics
+        draft_kv = None if self.draft_kv is None else (self.draft_kv, self.draft_kv)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # Pallas TPU lowering
-            lowered = _step.trace(statics, layout, self.state, self.kv, self.kv, self.prev,
+            lowered = _step.trace(statics, layout, self.state, self.kv, self.kv,
+                                  self.draft_state, draft_kv, self.prev,
                                   self.replicated(inputs)).lower()
         return lowered.compile()
 
@@ -58,8 +75,8 @@ class StepProgram:
         inputs, layout = pack(sampling)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
             rows = sample_rows_shape(logits.shape[0])
-            lowered = _sample.trace(layout, logits, self.prev,
-                                    self.replicated(rows), self.replicated(inputs)).lower()
+            lowered = _sample.trace(layout, logits, self.prev, self.replicated(rows),
+                                    self.replicated(inputs)).lower()
         return lowered.compile()
 
     def replicated(self, host: np.ndarray) -> jax.ShapeDtypeStruct:
@@ -67,33 +84,46 @@ class StepProgram:
                                     sharding=NamedSharding(self.mesh, P()))
 
 
-def step_program(graphdef: nnx.GraphDef, state: Any, cfg: LlamaConfig, config: EngineConfig,
-                 backend: AttentionBackend, num_blocks: int, max_model_len: int) -> StepProgram:
-    """`state`: the model's weights, real or abstract, on the mesh the KV cache will live on."""
-    mesh = jax.tree.leaves(state)[0].sharding.mesh
+def _abstract(state: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        state)
+
+
+def _kv(model: ModelParts, num_blocks: int, block_size: int,
+        sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    """One of the model's caches, [L, Hkv, NB, BS, D], in its weights' dtype."""
+    cfg = model.cfg
+    return jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size,
+                                 cfg.head_dim), jax.tree.leaves(model.state)[0].dtype,
+                                sharding=sharding)
+
+
+def step_program(target: ModelParts, config: EngineConfig, backend: AttentionBackend,
+                 num_blocks: int, max_model_len: int, draft: ModelParts | None = None,
+                 ) -> StepProgram:
+    """`target` (and `draft`, the draft model): weights, real or abstract, on the mesh the KV
+    caches will live on."""
+    mesh = jax.tree.leaves(target.state)[0].sharding.mesh
     kv_sharding = kv_cache_sharding(mesh)
     bs = config.cache.block_size
-    kv = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, num_blocks, bs, cfg.head_dim),
-                              jax.tree.leaves(state)[0].dtype, sharding=kv_sharding)
     rows = jax.ShapeDtypeStruct((max_sample_rows(config),), jnp.int32,
                                 sharding=NamedSharding(mesh, P()))
-    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                         state)
-    draft_layers, max_drafts = device_draft_statics(config)
-    drafting = StepStatics(graphdef, backend, kv_sharding, draft_layers, max_drafts) \
-        if draft_layers else None
-    return StepProgram(StepStatics(graphdef, backend, kv_sharding), state, kv,
-                       PrevSamples(rows, rows),
-                       -(-max_model_len // bs), drafting)
+    plain, drafting = step_statics(config, target.graphdef, backend, kv_sharding,
+                                   None if draft is None else draft.graphdef)
+    return StepProgram(plain, _abstract(target.state), _kv(target, num_blocks, bs, kv_sharding),
+                       PrevSamples(rows, rows), -(-max_model_len // bs), drafting,
+                       None if draft is None else _abstract(draft.state),
+                       None if draft is None else _kv(draft, num_blocks, bs, kv_sharding))
 
 
-def largest_step_temp_bytes(graphdef: nnx.GraphDef, state: Any, cfg: LlamaConfig,
-                            config: EngineConfig, backend: AttentionBackend,
-                            max_model_len: int) -> int:
-    """The temporaries of the engine's largest step, compiled over a minimal KV pool (they do
-    not grow with the pool: the cache is updated in place)."""
+def largest_step_temp_bytes(target: ModelParts, config: EngineConfig,
+                            backend: AttentionBackend, max_model_len: int,
+                            draft: ModelParts | None = None) -> int:
+    """The temporaries of the engine's largest step (the draft model's passes included),
+    compiled over a minimal KV pool (they do not grow with the pool: the caches are updated in
+    place)."""
     min_blocks = -(-max_model_len // config.cache.block_size) + 1
-    program = step_program(graphdef, state, cfg, config, backend, min_blocks, max_model_len)
+    program = step_program(target, config, backend, min_blocks, max_model_len, draft)
     T, R = max(bucket_pairs(*step_buckets(config)))
     compiled = program.compile(T, R, *step_variants(
         T, R, num_speculative_tokens(config), program.draft_statics is not None)[-1])
@@ -105,5 +135,3 @@ def kv_blocks_for(hbm_bytes: int, utilization: float, weight_bytes: int, temp_by
     """KV pool size on one device: what the memory share leaves after the weights and the
     step's temporaries (vLLM sizes its pool the same way, from a profile run)."""
     return max(0, int((hbm_bytes * utilization - weight_bytes - temp_bytes) // block_bytes))
-
-

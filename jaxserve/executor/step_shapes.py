@@ -1,6 +1,6 @@
 """The shapes a step is compiled for: token and request buckets, each bucket's variants with
-speculative decoding (sample rows; layer skip's drafting program), and the padding-only steps
-that warm-up runs through every one of them."""
+speculative decoding (sample rows; the drafting program, for drafts proposed on the device),
+and the padding-only steps that warm-up runs through every one of them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from jaxserve.config import EngineConfig, power_of_two_buckets
 from jaxserve.core.structured_output import mask_words
 from jaxserve.executor.input_batch import StepArrays
 from jaxserve.layers.sampler import SamplingMetadata, logprobs_width, make_sampling_metadata
+from jaxserve.speculative_config import DEVICE_METHODS
 
 
 def step_buckets(config: EngineConfig) -> tuple[list[int], list[int]]:
@@ -43,9 +44,11 @@ def num_speculative_tokens(config: EngineConfig) -> int:
 
 
 def device_draft_statics(config: EngineConfig) -> tuple[int, int]:
-    """(draft_layers, max_drafts) of StepStatics: layer-skip drafts come from the step."""
+    """(draft_layers, max_drafts) of the drafting program's StepStatics, whose drafts come
+    from the step: layer skip's (the target's first draft_layers layers) or the draft model's
+    (draft_layers 0); (0, 0): no drafting program."""
     spec = config.scheduler.speculative_config
-    if spec is None or spec.method != "layer_skip":
+    if spec is None or spec.method not in DEVICE_METHODS:
         return 0, 0
     return spec.num_layers, spec.num_speculative_tokens
 
@@ -55,7 +58,8 @@ def step_variants(T: int, R: int, num_drafts: int, device_drafts: bool,
     """The (sample rows S, drafts on the device) variants a (T, R) step is compiled for: S = R
     without drafts (or host drafts that fit in the rows' padding), and with speculation the
     most rows a step can sample (every request drafting, bounded by the tokens), drafting on
-    the device for layer skip (a separate program, so steps without drafts do not carry it)."""
+    the device for layer skip and the draft model (a separate program, so steps without
+    drafts do not carry it)."""
     variants = [(R, False)]
     if num_drafts:
         most = min(T, R * (1 + num_drafts))

@@ -13,24 +13,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compiled_dir import KV_INIT
-from jaxserve.executor.mesh import place, rank_meshes
+from jaxserve.executor.draft_model import FIELD as DRAFT_FIELD, load_draft, place_draft
+from jaxserve.executor.mesh import rank_meshes
 from jaxserve.executor.model_runner import ModelRunner, PendingStep, dtype_of
 from jaxserve.executor.sharding import (
     AXIS,
-    expand_kv_heads,
     kv_cache_sharding,
-    pad_vocab,
     param_sharding,
+    shard_params,
     validate_tensor_parallel,
 )
-from jaxserve.executor.step_program import kv_blocks_for, largest_step_temp_bytes
+from jaxserve.executor.step_program import ModelParts, kv_blocks_for, largest_step_temp_bytes
 from jaxserve.layers.attention import (
     AttentionBackend,
     get_attention_backend,
@@ -77,26 +76,22 @@ class BuiltWorker:
 
 class Worker:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, draft: LoadedModel | None = None):
+        """`loaded`, `draft`: the target's and the draft model's host weights, read once for
+        every rank (by default read here)."""
         self.config = config
         enable_compilation_cache(config.runner.compilation_cache_dir)
         m = config.model
         self.mesh = mesh or rank_meshes(config.parallel)[0]
         self.dtype = dtype_of(m.dtype)
-        tp = self.mesh.shape[AXIS]
         restored = loaded is None and restores_sharded(config)
         if restored:
             self.loaded = self._restore_sharded(m.model)  # params already on their devices
             cfg, placed = self.loaded.config, self.loaded.params
         else:
             self.loaded = loaded or load_model(m.model, m.load_format, seed=m.seed)
-            validate_tensor_parallel(self.loaded.config, tp)
-            cfg, params = expand_kv_heads(self.loaded.config, self.loaded.params, tp)
-            params = pad_vocab(params, cfg.vocab_size, tp)
-            host_dtype = np.dtype(self.dtype)
-            placed = {name: place(np.asarray(w, host_dtype),
-                                  param_sharding(self.mesh, name, w.shape))
-                      for name, w in params.items()}
+            cfg, placed = shard_params(self.loaded.config, self.loaded.params, self.mesh,
+                                       self.dtype)
         self.model_config = cfg
         self.max_model_len = m.max_model_len or cfg.max_position_embeddings
         platform = self.mesh.devices.flat[0].platform
@@ -104,22 +99,42 @@ class Worker:
                            scan_layers=config.runner.scans_layers(platform))
         if restored:  # the model holds the arrays it needs; drop the loader's references
             self.loaded = dataclasses.replace(self.loaded, params={})
+        draft = draft or load_draft(config)
+        self.draft = None if draft is None else place_draft(
+            draft, cfg, self.max_model_len, self.mesh, self.dtype,
+            config.runner.scans_layers(platform))
         backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh)
-        validate_backend(backend, platform=platform, num_q_heads=cfg.num_heads // tp,
-                         num_kv_heads=cfg.num_kv_heads // tp, head_dim=cfg.head_dim,
-                         block_size=config.cache.block_size,
-                         max_num_seqs=config.scheduler.max_num_seqs,
-                         pages_per_seq=-(-self.max_model_len // config.cache.block_size),
-                         max_num_tokens=config.scheduler.max_num_batched_tokens,
-                         dtype=jnp.dtype(self.dtype).name)
+        self._validate_backend(backend, platform, cfg)
+        if self.draft is not None:
+            try:
+                self._validate_backend(backend, platform, self.draft.cfg)
+            except ValueError as e:
+                raise ValueError(f"{DRAFT_FIELD}: {e}") from None
         self.num_blocks = self._num_kv_blocks(backend)
         self.kv_sharding = kv_cache_sharding(self.mesh)
         executables = ({} if config.runner.compiled_dir is None
                        else self._load_compiled(config.runner.compiled_dir))
-        k_cache, v_cache = (executables.pop(KV_INIT, None) or self.kv_init)()
+        k_cache, v_cache, *draft_kv = (executables.pop(KV_INIT, None) or self.kv_init)()
         self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend, self.mesh,
-                                  self.max_model_len, cfg.eos_token_ids)
+                                  self.max_model_len, cfg.eos_token_ids, self.draft,
+                                  tuple(draft_kv) or None)
         self.runner.executables = executables
+
+    def _validate_backend(self, backend: AttentionBackend, platform: str,
+                          cfg: LlamaConfig) -> None:
+        tp, c = self.mesh.shape[AXIS], self.config
+        validate_backend(backend, platform=platform, num_q_heads=cfg.num_heads // tp,
+                         num_kv_heads=cfg.num_kv_heads // tp, head_dim=cfg.head_dim,
+                         block_size=c.cache.block_size, max_num_seqs=c.scheduler.max_num_seqs,
+                         pages_per_seq=-(-self.max_model_len // c.cache.block_size),
+                         max_num_tokens=c.scheduler.max_num_batched_tokens,
+                         dtype=jnp.dtype(self.dtype).name)
+
+    @property
+    def model_configs(self) -> list[LlamaConfig]:
+        """The configs (as placed) of the models whose KV caches share the pool's blocks: the
+        target's, then the draft model's."""
+        return [self.model_config] + ([] if self.draft is None else [self.draft.cfg])
 
     @property
     def built(self) -> BuiltWorker:
@@ -128,10 +143,15 @@ class Worker:
 
     @property
     def kv_init(self) -> Any:
-        """The jitted program that allocates the zeroed KV pool on the mesh."""
-        cfg, bs = self.model_config, self.config.cache.block_size
-        return jax.jit(lambda: init_kv_cache(cfg, self.num_blocks, bs, self.dtype),
-                       out_shardings=(self.kv_sharding, self.kv_sharding))
+        """The jitted program that allocates the zeroed KV pool on the mesh: (k, v) of the
+        target, then of the draft model."""
+        cfgs, bs = self.model_configs, self.config.cache.block_size
+
+        def init() -> tuple[jax.Array, ...]:
+            return tuple(cache for cfg in cfgs
+                         for cache in init_kv_cache(cfg, self.num_blocks, bs, self.dtype))
+
+        return jax.jit(init, out_shardings=(self.kv_sharding,) * (2 * len(cfgs)))
 
     def fingerprint(self) -> dict[str, Any]:
         """What programs compiled for this worker depend on (see compiled_dir)."""
@@ -139,7 +159,8 @@ class Worker:
         return compiled_dir.fingerprint(
             self.config, self.model_config, platform=device.platform,
             device_kind=device.device_kind, num_blocks=self.num_blocks,
-            max_model_len=self.max_model_len)
+            max_model_len=self.max_model_len,
+            draft=None if self.draft is None else self.draft.cfg)
 
     def _load_compiled(self, directory: str) -> dict[Any, Any]:
         """A directory built for another engine: an error in strict mode, else a warning and
@@ -163,7 +184,8 @@ class Worker:
 
     def _num_kv_blocks(self, backend: AttentionBackend) -> int:
         """On TPU/GPU: the memory share left after the weights (in use now) and the largest
-        step's temporaries, as the compiler reports them. On CPU: cpu_kv_cache_space_gib."""
+        step's temporaries, as the compiler reports them. On CPU: cpu_kv_cache_space_gib. A
+        block's bytes are both caches' with a draft model."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
@@ -174,12 +196,13 @@ class Worker:
             except (compiled_dir.CompiledDirError, KeyError, TypeError, ValueError):
                 pass  # refused with its reason when the programs are loaded
         tp = self.mesh.shape[AXIS]
-        per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size,
-                                             self.dtype) // tp  # per device: its KV heads
+        per_block = sum(kv_cache_bytes_per_block(cfg, cache.block_size, self.dtype)
+                        for cfg in self.model_configs) // tp  # per device: its KV heads
         stats = self.mesh.devices.flat[0].memory_stats() or {}
         if "bytes_limit" in stats:  # one extra compile at start, like vLLM's profile run
-            temp = largest_step_temp_bytes(*nnx.split(self.model), self.model_config,
-                                           self.config, backend, self.max_model_len)
+            temp = largest_step_temp_bytes(
+                ModelParts.of(self.model), self.config, backend, self.max_model_len,
+                None if self.draft is None else ModelParts.of(self.draft))
             num_blocks = kv_blocks_for(stats["bytes_limit"], cache.gpu_memory_utilization,
                                        stats.get("bytes_in_use", 0), temp, per_block)
         else:

@@ -4,7 +4,9 @@ directory built for another engine, or damaged, is refused with a message naming
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -37,8 +39,9 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_an_engine_from_a_compiled_dir_compiles_nothing_and_gives_the_same_tokens(built):
-    path, out = built
+@contextlib.contextmanager
+def backend_compiles() -> Iterator[list[str]]:
+    """Every XLA backend compilation in the process while the block runs."""
     events: list[str] = []
 
     def listener(event: str, duration: float, **kwargs: object) -> None:
@@ -47,6 +50,14 @@ def test_an_engine_from_a_compiled_dir_compiles_nothing_and_gives_the_same_token
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_an_engine_from_a_compiled_dir_compiles_nothing_and_gives_the_same_tokens(built):
+    path, out = built
+    with backend_compiles() as events:
         llm = LLM(str(path), compiled_dir=str(out), precompile=True, strict_compile=True,
                   **ENGINE)
         prompts = random_prompts(5, 1, 30, seed=71)
@@ -54,11 +65,36 @@ def test_an_engine_from_a_compiled_dir_compiles_nothing_and_gives_the_same_token
         sampled = llm.generate({"prompt_token_ids": prompts[0]},
                                SamplingParams(temperature=0.8, seed=3, max_tokens=4, logprobs=2),
                                use_tqdm=False)[0]
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert events == [] and llm.stats().num_compilations == 0  # the KV pool's zeros too
     assert [o.outputs[0].token_ids for o in got] == hf_greedy(path, prompts, 8)
     assert len(sampled.outputs[0].logprobs) == 4
+
+
+def test_a_draft_models_dir_runs_it_compiling_nothing_and_refuses_another_draft(
+        hf_checkpoint, tmp_path):
+    """The draft model's catch-up and drafting programs and its KV pool come from the
+    directory; the fingerprint holds the draft's architecture (the target drafting for itself
+    here), so a directory built for another draft is refused."""
+    path = hf_checkpoint("llama")
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2,
+            "adaptive": False}
+    engine = ENGINE | {"token_buckets": [32]}  # 2 step programs: a draft doubles their cost
+    aot.build_on_host(EngineConfig.from_kwargs(model=str(path), speculative_config=spec,
+                                               **engine), tmp_path / "out")
+    prompts = random_prompts(5, 1, 30, seed=72)
+    with backend_compiles() as events:
+        llm = LLM(str(path), compiled_dir=str(tmp_path / "out"), precompile=True,
+                  strict_compile=True, speculative_config=spec, **engine)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert events == [] and llm.stats().num_compilations == 0
+    assert [o.outputs[0].token_ids for o in got] == hf_greedy(path, prompts, 8)
+    stats = llm.stats().spec_decoding
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0, stats
+    other = hf_checkpoint("llama", seed=5, num_layers=1, hidden_size=32, num_heads=2,
+                          num_kv_heads=1)
+    with pytest.raises(compiled_dir.CompiledDirError, match=r"draft_model\.hidden_size"):
+        LLM(str(path), compiled_dir=str(tmp_path / "out"), strict_compile=True,
+            speculative_config=spec | {"model": str(other)}, **engine)
 
 
 def test_a_dir_built_for_other_buckets_is_refused_naming_the_field(built, tmp_path):

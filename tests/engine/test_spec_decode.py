@@ -1,7 +1,17 @@
 """Speculative decoding: greedy tokens equal HF's with each proposer under the schedule matrix,
-stops and logprobs inside accepted runs, no compilation after warm-up, and bad configs."""
+stops and logprobs inside accepted runs, no compilation after warm-up, and bad configs.
+
+Draft models: "self" is the target as its own draft, whose drafts the target must accept all
+(or nearly: float noise between its decode and verify passes) wherever its cache is in step
+with the target's; "first_layer" is a checkpoint of its own cut from the target's first layer
+with its KV heads doubled (another cache shape), which agrees with the target often, not
+always. (test_spec_decode_distribution drafts from an unrelated random checkpoint of another
+width.)"""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -9,11 +19,19 @@ from engine_helpers import SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prom
 from jaxserve import LLM, SamplingParams
 
 MAX_TOKENS = 24
+HERE = str(Path(__file__).parent)  # a path that exists (config checks never load it)
 # Drafting always on (no adaptive switch): every test verifies drafts wherever it can.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3, "adaptive": False}
 LAYER_SKIP = {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 1,
               "adaptive": False}
+DRAFT_SELF = {"method": "draft_model", "model": "self", "num_speculative_tokens": 3,
+              "adaptive": False}
+DRAFT_FIRST_LAYER = DRAFT_SELF | {"model": "first_layer"}
+SELF_ACCEPTANCE = 0.95  # the least share of the target's own drafts it must accept
+# A draft model doubles the cost of compiling a step program (its catch-up pass, its drafting
+# loop): engines with one are given two token buckets and one request bucket (4 programs).
+DRAFT_BUCKETS = {"token_buckets": [32, 128], "request_buckets": [16]}
 
 
 def spec_workload() -> list[list[int]]:
@@ -28,6 +46,21 @@ def spec_workload() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def expected(llama):
     return hf_greedy(llama, spec_workload(), MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def drafts(llama, truncated_draft):
+    """name -> the draft checkpoint's path (module docstring), built on first use."""
+    builders = {"self": lambda: llama, "first_layer": lambda: truncated_draft(llama, 1, 4)}
+    return lambda name: str(builders[name]())
+
+
+def with_draft(args: dict, drafts) -> dict:  # noqa: ANN001 (the `drafts` fixture)
+    """Engine arguments with a draft model's name replaced by its checkpoint's path."""
+    spec = args.get("speculative_config", {})
+    if spec.get("method") != "draft_model":
+        return args
+    return args | {"speculative_config": spec | {"model": drafts(spec["model"])}}
 
 
 SETTINGS = {
@@ -46,20 +79,28 @@ SETTINGS = {
                                            "num_kv_blocks": 14},
     "layer_skip_threshold_small": {"speculative_config": LAYER_SKIP,
                                    "long_prefill_token_threshold": 8},
+    # Prefix caching on (the shared prefix hits) and async scheduling on: the defaults.
+    "draft_model_first_layer": {"speculative_config": DRAFT_FIRST_LAYER, **DRAFT_BUCKETS},
+    "draft_model_self_scan_chunks_every_prompt_tiny_pool_preempts": {
+        "speculative_config": DRAFT_SELF, "scan_layers": True, "max_num_batched_tokens": 16,
+        "num_kv_blocks": 10, **DRAFT_BUCKETS},
 }
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_greedy_tokens_equal_hf_with_speculation(llama, expected, compile_cache_dir, name):
+def test_greedy_tokens_equal_hf_with_speculation(llama, expected, compile_cache_dir, drafts,
+                                                 name):
     llm = LLM(str(llama), compilation_cache_dir=compile_cache_dir,
-              **(SMALL_ENGINE | SETTINGS[name]))
+              **with_draft(SMALL_ENGINE | SETTINGS[name], drafts))
     outs = generate(llm, spec_workload(), temperature=0.0, max_tokens=MAX_TOKENS,
                     ignore_eos=True)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.stats()
     spec = stats.spec_decoding
     assert spec.num_accepted_tokens > 0
-    if "adaptive" not in name:  # the switch may stop drafting before any is rejected
+    if "self" in name:  # the draft's cache is in step with the target's
+        assert spec.num_accepted_tokens >= SELF_ACCEPTANCE * spec.num_draft_tokens, spec
+    elif "adaptive" not in name:  # the switch may stop drafting before any is rejected
         assert spec.num_draft_tokens > spec.num_accepted_tokens
     assert spec.num_accepted_tokens == sum(spec.num_accepted_tokens_per_pos)
     if "preempts" in name:
@@ -111,12 +152,17 @@ def test_steps_run_ahead_of_drafting_steps_and_correct_their_positions(llama, ex
 
 
 @pytest.fixture(scope="module")
-def plain_and_spec(llama, compile_cache_dir):
+def plain_and_spec(llama, compile_cache_dir, drafts):
     engines = {name: LLM(str(llama), compilation_cache_dir=compile_cache_dir,
-                         **(SMALL_ENGINE | extra))
+                         **with_draft(SMALL_ENGINE | extra, drafts))
                for name, extra in (("plain", {}), ("ngram", {"speculative_config": NGRAM}),
-                                   ("layer_skip", {"speculative_config": LAYER_SKIP}))}
+                                   ("layer_skip", {"speculative_config": LAYER_SKIP}),
+                                   ("draft_model", {"speculative_config": DRAFT_FIRST_LAYER,
+                                                    **DRAFT_BUCKETS}))}
     return engines
+
+
+PROPOSERS = ["ngram", "layer_skip", "draft_model"]
 
 
 def generate(llm: LLM, prompts: list[list[int]], **params) -> list:
@@ -124,7 +170,7 @@ def generate(llm: LLM, prompts: list[list[int]], **params) -> list:
                         use_tqdm=False)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "layer_skip"])
+@pytest.mark.parametrize("proposer", PROPOSERS)
 def test_stops_and_max_tokens_inside_an_accepted_run(plain_and_spec, proposer):
     """A stop token, a stop string or max_tokens falling inside a run of accepted drafts ends
     the output exactly where the plain engine ends it."""
@@ -147,7 +193,7 @@ def test_stops_and_max_tokens_inside_an_accepted_run(plain_and_spec, proposer):
     assert_no_leaks(spec.engine)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "layer_skip"])
+@pytest.mark.parametrize("proposer", PROPOSERS)
 def test_logprobs_of_accepted_tokens_equal_plain_decoding(plain_and_spec, proposer):
     prompts = [span * 3 for span in random_prompts(3, 4, 12, seed=25)]
     params = dict(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
@@ -164,7 +210,7 @@ def test_logprobs_of_accepted_tokens_equal_plain_decoding(plain_and_spec, propos
                                                                 abs=1e-3)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "layer_skip"])
+@pytest.mark.parametrize("proposer", PROPOSERS)
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(plain_and_spec,
                                                                            proposer):
     """Each position's draw uses its own (seed, step) key, and a draft is accepted exactly
@@ -182,10 +228,14 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(plai
     assert_no_leaks(plain_and_spec[proposer].engine)
 
 
-@pytest.mark.parametrize("spec", [NGRAM, LAYER_SKIP], ids=["ngram", "layer_skip"])
-def test_no_compilation_after_warm_up_with_speculation(llama, compile_cache_dir, spec):
+@pytest.mark.parametrize("spec, buckets", [
+    (NGRAM, {}), (LAYER_SKIP, {}), (DRAFT_FIRST_LAYER, DRAFT_BUCKETS),
+], ids=["ngram", "layer_skip", "draft_model"])
+def test_no_compilation_after_warm_up_with_speculation(llama, compile_cache_dir, drafts, spec,
+                                                       buckets):
     llm = LLM(str(llama), compilation_cache_dir=compile_cache_dir, precompile=True,
-              strict_compile=True, speculative_config=spec, **SMALL_ENGINE)
+              strict_compile=True,
+              **with_draft(SMALL_ENGINE | buckets | {"speculative_config": spec}, drafts))
     compiled = llm.stats().num_compilations
     prompts = spec_workload()
     generate(llm, prompts, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -205,7 +255,19 @@ def test_no_compilation_after_warm_up_with_speculation(llama, compile_cache_dir,
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
     ({"method": "layer_skip", "num_speculative_tokens": 2}, "num_layers"),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_layers": 1}, "num_layers"),
-    ({"method": "draft_model", "model": "/x", "num_speculative_tokens": 2}, "method"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+    ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2},
+     "speculative_config.model"),
+    ({"method": "draft_model", "model": HERE, "num_speculative_tokens": 0},
+     "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram", "model": HERE, "num_speculative_tokens": 2}, "speculative_config.model"),
+    ({"model": "/x/eagle-llama3-8b", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "draft_model", "model": HERE, "num_speculative_tokens": 2,
+      "draft_tensor_parallel_size": 2}, "speculative_config.draft_tensor_parallel_size"),
+    ({"method": "draft_model", "model": HERE, "num_speculative_tokens": 2,
+      "quantization": "fp8"}, "speculative_config.quantization"),
+    ({"method": "draft_model", "model": HERE, "num_speculative_tokens": 2, "num_layers": 1},
+     "speculative_config.num_layers"),
     ("{not json", "speculative_config"),
 ])
 def test_bad_speculative_config_is_a_value_error_naming_the_field(config, field):
@@ -213,6 +275,17 @@ def test_bad_speculative_config_is_a_value_error_naming_the_field(config, field)
 
     with pytest.raises(ValueError, match=field):
         EngineConfig.from_kwargs(speculative_config=config)
+
+
+@pytest.mark.parametrize("draft, field", [
+    (dict(vocab_size=8), "vocabulary"),
+    (dict(max_position_embeddings=64), "max_position_embeddings"),
+])
+def test_a_draft_model_that_does_not_fit_the_target_is_a_value_error(llama, hf_checkpoint,
+                                                                      draft, field):
+    path = hf_checkpoint("llama", **draft)
+    with pytest.raises(ValueError, match=f"speculative_config.model: .*{field}"):
+        LLM(str(llama), speculative_config=DRAFT_SELF | {"model": str(path)}, **SMALL_ENGINE)
 
 
 def test_layer_skip_needs_fewer_layers_than_the_model(llama):
@@ -238,3 +311,17 @@ def test_json_text_config_is_accepted_as_on_the_command_line():
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
             spec.prompt_lookup_max) == ("ngram", 3, 5, 5)
     assert EngineConfig.from_kwargs(**config.to_kwargs()).scheduler.speculative_config == spec
+
+
+@pytest.mark.parametrize("given, method, model", [
+    ({"model": HERE}, "draft_model", HERE),  # vLLM infers the method from the model
+    ({"model": "[ngram]"}, "ngram", None),
+    ({"method": "draft_model", "model": HERE, "draft_tensor_parallel_size": 1,
+      "quantization": None}, "draft_model", HERE),
+])
+def test_vllm_spellings_of_a_draft_model(given, method, model):
+    from jaxserve.config import EngineConfig
+
+    spec = EngineConfig.from_kwargs(speculative_config=json.dumps(
+        given | {"num_speculative_tokens": 2})).scheduler.speculative_config
+    assert (spec.method, spec.model) == (method, model)

@@ -1,6 +1,8 @@
 """Sampling with speculation draws from the target's distribution: a chi-square test of the
 joint of the first three sampled tokens against HF's exact probabilities, on an 8-token
-vocabulary, with the same test shown to fail when drafts are taken unverified."""
+vocabulary, with the same test shown to fail when drafts are taken unverified. Proposers:
+n-gram drafts (host), and a draft model (device): an unrelated random checkpoint of the same
+vocabulary, another width, depth and head count, so its drafts are often rejected."""
 
 from __future__ import annotations
 
@@ -73,15 +75,27 @@ def small_vocab(hf_checkpoint):
     return path, exact_joint(path)
 
 
+def proposer_args(proposer: str, hf_checkpoint) -> dict:  # noqa: ANN001 (the fixture)
+    """Engine arguments of the proposer; the draft model's engine compiles 4 step programs."""
+    if proposer == "ngram":
+        return {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                       "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+                                       "adaptive": False}}
+    draft = hf_checkpoint("llama", vocab_size=VOCAB, seed=3, num_layers=1, hidden_size=32,
+                          num_heads=2, num_kv_heads=1)
+    return {"speculative_config": {"method": "draft_model", "model": str(draft),
+                                   "num_speculative_tokens": 2, "adaptive": False},
+            "token_buckets": [128, 512], "request_buckets": [64]}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
 def test_sampled_joint_equals_the_targets_and_the_test_catches_unverified_drafts(
-        small_vocab, compile_cache_dir, monkeypatch):
+        small_vocab, compile_cache_dir, monkeypatch, hf_checkpoint, proposer):
     path, joint = small_vocab
     assert math.isclose(sum(joint.values()), 1.0, rel_tol=1e-9)
-    llm = LLM(str(path), compilation_cache_dir=compile_cache_dir, **ENGINE,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                  "prompt_lookup_min": 1, "prompt_lookup_max": 2,
-                                  "adaptive": False})
+    llm = LLM(str(path), compilation_cache_dir=compile_cache_dir,
+              **(ENGINE | proposer_args(proposer, hf_checkpoint)))
     stat, df = chi_square(sample_joint(llm), joint)
     spec = llm.stats().spec_decoding
     # Drafts were verified, some accepted and some not: both paths shaped the samples.

@@ -76,11 +76,26 @@ def test_preset_compiles_for_its_target_without_copying_the_cache(name, tmp_path
         assert report["block_size"] == 64 and report["num_blocks"] >= 4096, log
 
 
+def draft_config_dir(tmp_path: Path) -> Path:
+    """A draft model for Llama-3-8B as a config.json alone (the check reads no weights): the
+    same vocabulary, half the width (16 heads of 128), 2 layers. (A head_dim of 64 gets its
+    cache relaid out around the kernels on TPU, as the target or as a draft alike.)"""
+    config = json.loads((LLAMA3_8B / "config.json").read_text()) | {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 2,
+        "num_attention_heads": 16}
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
+    return tmp_path / "draft"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tpu-v6e-llama3-8b", "h200-llama3-8b"])
-def test_speculative_steps_compile_without_copying_the_cache(name, tmp_path):
+@pytest.mark.parametrize("name, method", [("tpu-v6e-llama3-8b", "layer_skip"),
+                                          ("h200-llama3-8b", "layer_skip"),
+                                          ("tpu-v6e-llama3-8b", "draft_model")])
+def test_speculative_steps_compile_without_copying_the_cache(name, method, tmp_path):
     """Layer skip's drafting program (a loop of partial-depth decodes writing the cache, then
-    the verifying pass) and the wider sample-row variant keep the cache in place too."""
+    the verifying pass) and the wider sample-row variant keep the cache in place too; so do
+    a draft model's (its catch-up pass in both, its decode loop writing its own cache)."""
     target, _ = PRESETS[name]
     platform = "tpu" if name.startswith("tpu") else "gpu"
     if platform == "gpu" and not Path(target).exists():
@@ -90,11 +105,13 @@ def test_speculative_steps_compile_without_copying_the_cache(name, tmp_path):
     # step (a 4096-token drafting program, a minute on CI); a small pool of H200's 16-token
     # blocks would make weight-sized copies count as cache copies, so it is sized there.
     pool = ["--num-kv-blocks", "2048"] if platform == "tpu" else []
+    spec = {"method": method, "num_speculative_tokens": 3} | (
+        {"num_layers": 2} if method == "layer_skip" else {"model": str(draft_config_dir(tmp_path))})
     rc, report, log = compile_check(
         platform, tmp_path, "--target", target, "--config", str(preset), "--num-layers", "4",
-        "--buckets", "64:16", *pool, "--speculative-config",
-        '{"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 2}')
+        "--buckets", "64:16", *pool, "--speculative-config", json.dumps(spec))
     assert rc == 0 and report and not report["failures"], log
+    assert report["draft_num_layers"] == (2 if method == "draft_model" else 0), log
     plain, drafting = report["buckets"]  # the bucket's two programs
     assert (plain["num_sample_rows"], plain["device_drafts"]) == (16, False), log
     assert (drafting["num_sample_rows"], drafting["device_drafts"]) == (64, True), log

@@ -32,16 +32,26 @@ def test_greedy_tokens_equal_single_device(gqa8, compile_cache_dir, tp, dp, back
     assert_no_leaks(llm.engine)
 
 
-def test_speculation_under_tp_and_dp_gives_the_same_greedy_tokens(gqa8, compile_cache_dir):
-    """Layer skip (its drafting program sharded like the step; n-gram drafts are host-side)."""
+@pytest.mark.parametrize("method, tp, dp", [("layer_skip", 2, 2), ("draft_model", 2, 1)])
+def test_speculation_under_tp_and_dp_gives_the_same_greedy_tokens(gqa8, compile_cache_dir,
+                                                                  method, tp, dp):
+    """Layer skip, and the target as its own draft model (its weights and cache sharded by
+    head like the target's), whose drafts are all accepted only if the sharded draft computes
+    what the target does (n-gram drafts are host-side)."""
     path, prompts, expected = gqa8
-    spec = {"method": "layer_skip", "num_speculative_tokens": 2, "num_layers": 1,
-            "adaptive": False}
-    llm = LLM(str(path), tensor_parallel_size=2, data_parallel_size_local=2,
-              speculative_config=spec, compilation_cache_dir=compile_cache_dir, **SMALL_ENGINE)
+    spec = {"method": method, "num_speculative_tokens": 2, "adaptive": False}
+    # The draft model's engine: one bucket each (2 programs; a draft doubles compile time).
+    extra = {"num_layers": 1} if method == "layer_skip" else {"model": str(path)}
+    buckets = {} if method == "layer_skip" else {"token_buckets": [128], "request_buckets": [16]}
+    llm = LLM(str(path), tensor_parallel_size=tp, data_parallel_size_local=dp,
+              speculative_config=spec | extra, compilation_cache_dir=compile_cache_dir,
+              **(SMALL_ENGINE | buckets))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.stats().spec_decoding.num_draft_tokens > 0
+    stats = llm.stats().spec_decoding
+    assert stats.num_draft_tokens > 0
+    if method == "draft_model":
+        assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens, stats
     assert_no_leaks(llm.engine)
 
 
@@ -99,6 +109,16 @@ def test_bad_parallel_configurations_fail_at_start_up(hf_checkpoint, kwargs, mes
 
 
 
+def test_a_draft_model_whose_heads_tp_does_not_divide_is_rejected_naming_the_field(
+        hf_checkpoint):
+    draft = hf_checkpoint("llama", num_layers=1, hidden_size=48, num_heads=3, num_kv_heads=1)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"speculative_config\.model: tensor_parallel_size 2 "
+                                         r"must divide the number of attention heads \(3\)"):
+        LLM(str(hf_checkpoint("llama")), tensor_parallel_size=2, speculative_config=spec,
+            **SMALL_ENGINE)
+
+
 def test_tp_neither_dividing_nor_a_multiple_of_the_kv_heads_is_rejected():
     from jaxserve.executor.sharding import validate_tensor_parallel
     from jaxserve.models.llama_config import LlamaConfig
@@ -113,7 +133,7 @@ def test_tp_neither_dividing_nor_a_multiple_of_the_kv_heads_is_rejected():
 
 def test_orbax_checkpoint_restores_each_shard_onto_its_device(compile_cache_dir, tmp_path, gqa8,
                                                              monkeypatch):
-    from jaxserve.executor import worker
+    from jaxserve.executor import sharding, worker
     from jaxserve.models.checkpoint_io import save_converted
     from jaxserve.models.loader import load_model
 
@@ -123,7 +143,7 @@ def test_orbax_checkpoint_restores_each_shard_onto_its_device(compile_cache_dir,
     def no_host_copy(*args: object) -> None:
         raise AssertionError("weights went through a full host array")
 
-    monkeypatch.setattr(worker, "place", no_host_copy)
+    monkeypatch.setattr(sharding, "place", no_host_copy)
     monkeypatch.setattr(worker, "load_model", no_host_copy)
     llm = LLM(str(dst), tensor_parallel_size=2, compilation_cache_dir=compile_cache_dir,
               **SMALL_ENGINE)

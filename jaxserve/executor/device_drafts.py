@@ -1,13 +1,18 @@
-"""Self-speculation on the device: drafts from the target's own first layers (layer skip).
+"""Drafts proposed on the device, inside the step (its drafting program: steps without drafts
+run the plain one), before the target's pass: `num_drafts` greedy decode iterations over the
+step's drafting requests, each through a drafting model, taking the argmax. The drafts become
+the step's inputs after each request's last token, for the target to verify.
 
-Inside the step (its drafting program: steps without drafts run the plain one), before the
-full model runs: `num_drafts` decode iterations over the step's
-drafting requests, each through the first `num_layers` layers, the final norm and the LM head,
-taking the argmax. Those layers' KV is the target's own (same weights, same tokens, same
-positions), so the drafts write it straight into the target's cache at the draft slots the
-scheduler allocated; the verification pass then rewrites those slots, so nothing the drafts
-write outlives the step unless the target would have written the same. No second cache, no
-second prefill. The drafts become the step's inputs after each request's last token.
+The drafting model is one of:
+- layer skip: the target's own first `num_layers` layers, the final norm and the LM head.
+  Those layers' KV is the target's own (same weights, tokens, positions), so the drafts write
+  it straight into the target's cache at the draft slots the scheduler allocated; the
+  verifying pass then rewrites those slots. No second cache, no second prefill.
+- a draft model (executor/draft_model.py): a smaller checkpoint with its own cache over the
+  same blocks, kept complete by the catch-up pass every step runs after the target's.
+
+Iteration 0 decodes each request's last known token (writing its KV at its position), and
+iteration j the draft j before it, at the slots the scheduler allocated for the drafts.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from jaxserve.layers.sampler import argmax
 from jaxserve.models.llama import Llama
 
 
-def layer_skip_drafts(model: Llama, backend: AttentionBackend, num_layers: int,
-                      max_drafts: int, input_ids: jax.Array, md: AttentionMetadata,
-                      draft_starts: jax.Array, num_drafts: jax.Array, k_cache: jax.Array,
-                      v_cache: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """input_ids i32[T]: the step's inputs (drafts as placeholders); draft_starts i32[R]: each
+def propose_drafts(model: Llama, num_layers: int | None, backend: AttentionBackend,
+                   max_drafts: int, input_ids: jax.Array, md: AttentionMetadata,
+                   draft_starts: jax.Array, num_drafts: jax.Array, k_cache: jax.Array,
+                   v_cache: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Draft with `model` (its first `num_layers` layers; None: all) over its own caches.
+    input_ids i32[T]: the step's inputs (drafts as placeholders); draft_starts i32[R]: each
     request's last known token (its row in the step), num_drafts i32[R]: its drafts (0: none).
     Returns (input_ids with the drafts in place, drafts i32[R, max_drafts], k_cache, v_cache)."""
     num_rows = draft_starts.shape[0]

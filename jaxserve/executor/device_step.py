@@ -1,0 +1,182 @@
+"""The model step as jitted pure functions, and their static arguments: the model program
+`(weights, KV caches, inputs) -> (KV caches, logits, drafts)`, with the caches donated and
+their layout pinned, and the sampler program. Both read what the step before sampled on the
+device (`PrevSamples`): a step scheduled while it ran takes its sampled ids as inputs and its
+accepted drafts as the correction of its positions (spec_verify.py). A draft model's weights and caches are arguments
+too (speculative draft_model: its catch-up runs in every step, executor/draft_model.py); the
+drafting program proposes drafts on the device first (executor/device_drafts.py). The model
+runner calls these; the abstract step program (compile check, KV pool sizing) lowers them."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jaxserve.config import EngineConfig
+from jaxserve.executor.device_drafts import propose_drafts
+from jaxserve.executor.draft_model import catch_up
+from jaxserve.executor.input_batch import StepArrays
+from jaxserve.executor.packing import PackedLayout, pack, unpack
+from jaxserve.executor.spec_verify import accepted_drafts, resolve_previous_step, sample_rows
+from jaxserve.executor.step_shapes import device_draft_statics
+from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.sampler import SamplerOutput, TokenLogprobs, sample, token_logprobs
+from jaxserve.models.llama import Llama
+
+ProgramKey = tuple[str, PackedLayout | None]  # (kind, the packed inputs' layout)
+DraftKV = tuple[jax.Array, jax.Array] | None  # the draft model's (k, v) [L_d, Hkv_d, NB, BS, D_d]
+STEP_LOGITS = 3  # `_step` returns (k_cache, v_cache, draft_kv, logits, drafts, rows)
+
+
+class PrevSamples(NamedTuple):
+    """What the last launched step samples, as the next step's inputs read it on the device
+    (sample-row order)."""
+    sampled: jax.Array  # i32[max sample rows]  the sampled ids
+    accepted: jax.Array  # i32[max sample rows]  the drafts each row's request accepted
+
+
+def sample_rows_shape(num_rows: int) -> jax.ShapeDtypeStruct:
+    """The model step's `rows` output, i32[3, S], as the sampler program takes it."""
+    return jax.ShapeDtypeStruct((3, num_rows), jnp.int32)
+
+
+class StepStatics:
+    """The jitted step's static arguments. jit hashes static arguments on every call, and an
+    NNX GraphDef takes milliseconds to hash, so the hash is computed once here.
+    `draft_graphdef`: the engine's draft model (its catch-up runs in every step).
+    `max_drafts` > 0: the drafting program, which drafts up to `max_drafts` tokens a request
+    on the device: from the draft model, or (layer-skip self-speculation) from the target's
+    first `draft_layers` layers."""
+
+    def __init__(self, graphdef: nnx.GraphDef, backend: AttentionBackend,
+                 kv_sharding: NamedSharding, draft_layers: int = 0, max_drafts: int = 0,
+                 draft_graphdef: nnx.GraphDef | None = None):
+        self.graphdef, self.backend, self.kv_sharding = graphdef, backend, kv_sharding
+        self.draft_layers, self.max_drafts = draft_layers, max_drafts
+        self.draft_graphdef = draft_graphdef
+        self._key = (graphdef, backend, kv_sharding, draft_layers, max_drafts, draft_graphdef)
+        self._hash = hash(self._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, StepStatics) and self._hash == other._hash
+                                 and self._key == other._key)
+
+
+def step_statics(config: EngineConfig, graphdef: nnx.GraphDef, backend: AttentionBackend,
+                 kv_sharding: NamedSharding, draft_graphdef: nnx.GraphDef | None = None,
+                 ) -> tuple[StepStatics, StepStatics | None]:
+    """The plain program's statics and the drafting program's (None: drafts are not proposed
+    on the device)."""
+    draft_layers, max_drafts = device_draft_statics(config)
+    plain = StepStatics(graphdef, backend, kv_sharding, draft_graphdef=draft_graphdef)
+    return plain, StepStatics(graphdef, backend, kv_sharding, draft_layers, max_drafts,
+                              draft_graphdef) if max_drafts else None
+
+
+class _Forward(NamedTuple):
+    model: Llama
+    hidden: jax.Array  # [T, D]
+    k_cache: jax.Array
+    v_cache: jax.Array
+    draft_kv: DraftKV
+    logits_indices: jax.Array  # i32[S]
+    drafts: jax.Array  # i32[R, max_drafts], proposed on the device (none: [R, 0])
+    rows: jax.Array  # i32[3, S]  spec_verify.sample_rows: the sampler's row drafts and shifts
+
+
+def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
+             v_cache: jax.Array, draft_state: nnx.State | None, draft_kv: DraftKV,
+             prev: PrevSamples, inputs: jax.Array) -> _Forward:
+    # inputs: i32[n], the packed (input_ids, prev_rows, AttentionMetadata, logits_indices,
+    # draft_starts, num_drafts, prev_base, prev_drafts)
+    (input_ids, prev_rows, md, logits_indices, draft_starts, num_drafts, prev_base,
+     prev_drafts) = unpack(layout, inputs)
+    input_ids, md, token_shift = resolve_previous_step(
+        input_ids, prev_rows, md, prev.sampled, prev.accepted, prev_base, prev_drafts,
+        block_size=k_cache.shape[3])
+    model = nnx.merge(statics.graphdef, state)
+    draft = None if statics.draft_graphdef is None else nnx.merge(statics.draft_graphdef,
+                                                                  draft_state)
+    drafts = jnp.zeros((draft_starts.shape[0], 0), jnp.int32)
+    if statics.max_drafts and draft is None:  # layer skip: the target's first layers draft
+        input_ids, drafts, k_cache, v_cache = propose_drafts(
+            model, statics.draft_layers, statics.backend, statics.max_drafts, input_ids, md,
+            draft_starts, num_drafts, k_cache, v_cache)
+    elif statics.max_drafts:  # the draft model drafts, over its own cache
+        input_ids, drafts, draft_k, draft_v = propose_drafts(
+            draft, None, statics.backend, statics.max_drafts, input_ids, md, draft_starts,
+            num_drafts, *draft_kv)
+        draft_kv = (draft_k, draft_v)
+    hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend)
+    if draft is not None:
+        draft_kv = catch_up(draft, statics.backend, input_ids, md, *draft_kv)
+    # Pin the caches' layout so the donated buffers come back exactly as they went in.
+    k_cache, v_cache, draft_kv = jax.tree.map(
+        lambda c: jax.lax.with_sharding_constraint(c, statics.kv_sharding),
+        (k_cache, v_cache, draft_kv))
+    rows = sample_rows(input_ids, md.query_start_loc, logits_indices, draft_starts, num_drafts,
+                       token_shift)
+    return _Forward(model, hidden, k_cache, v_cache, draft_kv, logits_indices, drafts, rows)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 6))
+def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
+          v_cache: jax.Array, draft_state: nnx.State | None, draft_kv: DraftKV,
+          prev: PrevSamples, inputs: jax.Array,
+          ) -> tuple[jax.Array, jax.Array, DraftKV, jax.Array, jax.Array, jax.Array]:
+    f = _forward(statics, layout, state, k_cache, v_cache, draft_state, draft_kv, prev, inputs)
+    return (f.k_cache, f.v_cache, f.draft_kv,
+            f.model.compute_logits(f.hidden[f.logits_indices]), f.drafts, f.rows)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 7))
+def _step_prompt_logprobs(statics: StepStatics, layout: PackedLayout, num_top: int,
+                          state: nnx.State, k_cache: jax.Array, v_cache: jax.Array,
+                          draft_state: nnx.State | None, draft_kv: DraftKV,
+                          prev: PrevSamples, inputs: jax.Array, targets: jax.Array,
+                          ) -> tuple[jax.Array, jax.Array, DraftKV, jax.Array, jax.Array,
+                                     jax.Array, TokenLogprobs]:
+    """`_step`, plus every token row's logprob of `targets` (i32[T], the next prompt token):
+    a separate program per token bucket, run only for steps where a row asks."""
+    f = _forward(statics, layout, state, k_cache, v_cache, draft_state, draft_kv, prev, inputs)
+    # The sampler's rows as in `_step` (the same tokens with or without prompt logprobs).
+    logits = f.model.compute_logits(f.hidden[f.logits_indices])            # f32[S, V]
+    return f.k_cache, f.v_cache, f.draft_kv, logits, f.drafts, f.rows, token_logprobs(
+        f.model.compute_logits(f.hidden), targets, num_top)                # over [T, V]
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _sample(layout: PackedLayout, logits: jax.Array, prev: PrevSamples, rows: jax.Array,
+            inputs: jax.Array) -> tuple[SamplerOutput, PrevSamples]:
+    # inputs: i32[n], the packed SamplingMetadata; rows: i32[3, S] from the model step. Also
+    # returns what the next step's inputs read: `prev` with its first S rows replaced.
+    md = unpack(layout, inputs)
+    # A request that moved back moves its step keys too: (seed, step) as without drafts.
+    out = sample(logits, dataclasses.replace(md, steps=md.steps - rows[2]))
+    S = out.sampled.shape[0]
+    return out, PrevSamples(prev.sampled.at[:S].set(out.sampled),
+                            prev.accepted.at[:S].set(accepted_drafts(out.sampled, rows)))
+
+
+def step_key(arrays: StepArrays) -> ProgramKey:
+    """The model program of a step: its packed layout, and whether it drafts on the device."""
+    return ("step_drafting" if arrays.device_drafts else "step", step_inputs(arrays)[1])
+
+
+def step_inputs(arrays: StepArrays) -> tuple[np.ndarray, PackedLayout]:
+    """The model step's packed host inputs."""
+    md = AttentionMetadata(positions=arrays.positions, slot_mapping=arrays.slot_mapping,
+                           query_start_loc=arrays.query_start_loc, seq_lens=arrays.seq_lens,
+                           block_tables=arrays.block_tables)
+    return pack((arrays.input_ids, arrays.prev_rows, md, arrays.logits_indices,
+                 arrays.draft_starts, arrays.num_drafts, arrays.prev_base, arrays.prev_drafts))
