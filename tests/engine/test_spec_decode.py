@@ -87,27 +87,6 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
-def test_greedy_tokens_equal_hf_with_speculation(llama, expected, compile_cache_dir, drafts,
-                                                 name):
-    llm = LLM(str(llama), compilation_cache_dir=compile_cache_dir,
-              **with_draft(SMALL_ENGINE | SETTINGS[name], drafts))
-    outs = generate(llm, spec_workload(), temperature=0.0, max_tokens=MAX_TOKENS,
-                    ignore_eos=True)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    stats = llm.stats()
-    spec = stats.spec_decoding
-    assert spec.num_accepted_tokens > 0
-    if "self" in name:  # the draft's cache is in step with the target's
-        assert spec.num_accepted_tokens >= SELF_ACCEPTANCE * spec.num_draft_tokens, spec
-    elif "adaptive" not in name:  # the switch may stop drafting before any is rejected
-        assert spec.num_draft_tokens > spec.num_accepted_tokens
-    assert spec.num_accepted_tokens == sum(spec.num_accepted_tokens_per_pos)
-    if "preempts" in name:
-        assert stats.num_preemptions > 0
-    assert_no_leaks(llm.engine)
-
-
 def count_corrected_requests(llm: LLM) -> list[int]:
     """Wrap the runner: counts requests of a step launched on top of a drafting step still
     running that then rejected some of their drafts (their positions, scheduled as if all were
@@ -135,19 +114,29 @@ def count_corrected_requests(llm: LLM) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("spec", [NGRAM, LAYER_SKIP], ids=["ngram", "layer_skip"])
-def test_steps_run_ahead_of_drafting_steps_and_correct_their_positions(llama, expected,
-                                                                      compile_cache_dir, spec):
-    """Async scheduling with speculation: a step launched while the one before it verifies
-    drafts assumes they are all accepted; where some are not, the device moves its positions
-    back, and the tokens are still HF's."""
-    llm = LLM(str(llama), compilation_cache_dir=compile_cache_dir, speculative_config=spec,
-              **SMALL_ENGINE)
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_greedy_tokens_equal_hf_with_speculation(llama, expected, compile_cache_dir, drafts,
+                                                 name):
+    """With async scheduling (on in every setting) a step launched while the one before it
+    verifies drafts assumes they are all accepted; where some are not, the device moves its
+    positions back: the tokens are still HF's."""
+    llm = LLM(str(llama), compilation_cache_dir=compile_cache_dir,
+              **with_draft(SMALL_ENGINE | SETTINGS[name], drafts))
     corrected = count_corrected_requests(llm)
     outs = generate(llm, spec_workload(), temperature=0.0, max_tokens=MAX_TOKENS,
                     ignore_eos=True)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert corrected[0] > 0
+    stats = llm.stats()
+    spec = stats.spec_decoding
+    assert spec.num_accepted_tokens > 0
+    if "self" in name:  # the draft's cache is in step with the target's
+        assert spec.num_accepted_tokens >= SELF_ACCEPTANCE * spec.num_draft_tokens, spec
+    elif "adaptive" not in name:  # the switch may stop drafting before any is rejected
+        assert spec.num_draft_tokens > spec.num_accepted_tokens
+        assert corrected[0] > 0
+    assert spec.num_accepted_tokens == sum(spec.num_accepted_tokens_per_pos)
+    if "preempts" in name:
+        assert stats.num_preemptions > 0
     assert_no_leaks(llm.engine)
 
 
