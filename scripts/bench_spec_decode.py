@@ -22,8 +22,8 @@ at once), `--waves` such groups one after the other in a timed run.
     python scripts/bench_spec_decode.py --quick --models dummy    # a smoke run
     python scripts/bench_spec_decode.py --proposers off,off-sync,ngram --ngram-lookup 2-4
 
-`off-sync` (on request): off without async scheduling, which drafting steps go without, to tell
-what the drafts win from what the lost overlap costs.
+`off-sync` (on request): off without async scheduling, to tell what the overlap of host and
+device work is worth.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ GOAL_SPEEDUP, GOAL_SLOWDOWN = 2.0, 0.95
 
 def proposers(hf_dir: Path, num_layers: int, args: argparse.Namespace,
               ) -> dict[str, dict[str, Any] | None]:
-    """label -> speculative_config (None: off). "off-sync": off without async scheduling (what
-    drafting steps go without), only on request (--proposers). draft_model: the target is its
+    """label -> speculative_config (None: off). "off-sync": off without async scheduling, only
+    on request (--proposers). draft_model: the target is its
     own draft (no smaller model of these vocabularies is at hand; a random one would never be
     accepted), so every greedy draft is accepted at the cost of a second full model."""
     half = args.layer_skip_layers or max(1, num_layers // 2)
@@ -397,10 +397,11 @@ def main() -> None:
         "this process (steadier on a shared machine). Acceptance rate = accepted / drafted "
         "tokens; mean acceptance length = tokens a drafting request-step yields (1 + accepted "
         "drafts). Steps: engine steps of one timed run. Same greedy tokens: every request of "
-        "the warm-up and timed runs equals the off run's. A drafting step waits for the step "
-        "before it (no async overlap); by default the engine measures its tokens/s drafting "
-        "and not and keeps the faster ('ngram-always' never switches drafting off); 'off' "
-        "(async) is the engine as it ships"
+        "the warm-up and timed runs equals the off run's. Every engine schedules with async "
+        "scheduling, drafting steps included (the next step runs ahead as if every draft is "
+        "accepted); by default the engine measures its tokens/s drafting and not and keeps "
+        "the faster ('ngram-always' never switches drafting off); 'off' is the engine as it "
+        "ships"
         + (" and 'off-sync' is off without it" if "off-sync" in (args.proposers or ()) else "")
         + ". draft_model drafts with the target itself (a second copy of its weights and KV "
         "cache): greedy, every draft is accepted, so its row is the ceiling of what a draft "
