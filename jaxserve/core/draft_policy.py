@@ -9,7 +9,9 @@ speculation cannot help runs as without it.
 With async scheduling a request drafts while its previous step still runs: its drafts continue
 the sequence as if that step accepted every draft it carries (and, for n-gram lookup, as if it
 samples what the lookup proposes first); the step corrects its positions on the device when
-fewer were accepted, and its drafts are then merely unlikely to be accepted.
+fewer were accepted, and its drafts are then merely unlikely to be accepted. So the engine runs
+ahead of a drafting step only while its requests' last verifications accepted every draft
+(`Scheduler.waits_on_drafts`): after a miss, the next drafts follow the real tokens.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class DraftPolicy:
 
     def record(self, request: Request, num_drafted: int, num_accepted: int, step: int) -> None:
         self.stats.record(num_drafted, num_accepted)
+        request.missed_a_draft = num_accepted < num_drafted
         if num_accepted:
             request.draft_misses = 0
             return

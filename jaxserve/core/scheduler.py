@@ -215,6 +215,13 @@ class Scheduler:
             i += 1
         return budget
 
+    def waits_on_drafts(self, sched: SchedulerOutput) -> bool:
+        """Whether the next step should wait for `sched` (in flight) rather than run ahead: a
+        request drafting in it missed a draft in its last verification, so its drafts there
+        are likely rejected too and any run ahead of them follows a wrong guess."""
+        return any(r in self.requests and self.requests[r].missed_a_draft
+                   for r in sched.scheduled_spec_decode_tokens)
+
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new_reqs: list[NewRequestData], prefills: set[str]) -> int:
         deferred: list[Request] = []

@@ -125,7 +125,7 @@ def abstract_model(cfg: LlamaConfig, mesh: Mesh, dtype: Any,
         spec = P(*spec[1:]) if one_layer else spec
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
 
-    return graphdef, jax.tree_util.tree_map_with_path(placed, state)
+    return graphdef, nnx.to_pure_dict(jax.tree_util.tree_map_with_path(placed, state))
 
 
 def device_draft_config(config: EngineConfig, target: LlamaConfig,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -168,9 +168,19 @@ def _sample(layout: PackedLayout, logits: jax.Array, prev: PrevSamples, rows: ja
                             prev.accepted.at[:S].set(accepted_drafts(out.sampled, rows)))
 
 
-def step_key(arrays: StepArrays) -> ProgramKey:
-    """The model program of a step: its packed layout, and whether it drafts on the device."""
-    return ("step_drafting" if arrays.device_drafts else "step", step_inputs(arrays)[1])
+def step_key(arrays: StepArrays, layout: PackedLayout | None = None) -> ProgramKey:
+    """The model program of a step: its packed layout (given, or packed here), and whether it
+    drafts on the device."""
+    return ("step_drafting" if arrays.device_drafts else "step",
+            layout or step_inputs(arrays)[1])
+
+
+def split_model(model: Llama) -> tuple[nnx.GraphDef, dict[str, Any]]:
+    """The model's graph and its weights as a plain nested dict, as the step takes them: jit
+    flattens a dict in C++, an nnx.State through a Python callback per leaf (~60 us a call
+    with stories260K's 47 weights)."""
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
 
 
 def step_inputs(arrays: StepArrays) -> tuple[np.ndarray, PackedLayout]:

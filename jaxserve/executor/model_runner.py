@@ -33,7 +33,8 @@ from jaxserve.core.step_timing import StepTimings
 from jaxserve.executor.mesh import replicate, to_host
 from jaxserve.executor.device_step import (DraftKV, PrevSamples, ProgramKey, StepStatics,
                                            _sample, _step, _step_prompt_logprobs,
-                                           sample_rows_shape, step_inputs, step_key,
+                                           sample_rows_shape, split_model, step_inputs,
+                                           step_key,
                                            step_statics)
 from jaxserve.executor.input_batch import InputBatch, StepArrays
 from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_blocks,
@@ -113,8 +114,8 @@ class ModelRunner:
         self.num_drafts = num_speculative_tokens(config)
         # Module-level jits (_step, _sample): engines with the same model structure and step
         # shapes share compiled executables within a process.
-        graphdef, self.params = nnx.split(model)
-        draft_graphdef, self.draft_params = nnx.split(draft) if draft else (None, None)
+        graphdef, self.params = split_model(model)
+        draft_graphdef, self.draft_params = split_model(draft) if draft else (None, None)
         self.statics, self.draft_statics = step_statics(config, graphdef, backend,
                                                         self.kv_sharding, draft_graphdef)
         # The last launched step's samples, and per request whose next input one of them is:
@@ -206,10 +207,10 @@ class ModelRunner:
                 self._statics(arrays), layout, num_top, *self._weights_and_caches(), prev,
                 replicate(inputs, self.mesh), replicate(prompt_plan.targets, self.mesh))
         else:
-            key = step_key(arrays)
+            key = step_key(arrays, layout)
             if key not in self.executables:
                 self._count_shape((key[0], *shape))
-            logits, drafts, rows = self._call_step(arrays, layout, prev,
+            logits, drafts, rows = self._call_step(arrays, key, prev,
                                                    replicate(inputs, self.mesh))
         sampling_inputs, sampling_layout = pack(sampling)
         if ("sample", sampling_layout) not in self.executables:
@@ -233,14 +234,14 @@ class ModelRunner:
         without one), each weights then caches (donated)."""
         return self.params, self.k_cache, self.v_cache, self.draft_params, self.draft_kv
 
-    def _call_step(self, arrays: StepArrays, layout: PackedLayout, prev: PrevSamples,
+    def _call_step(self, arrays: StepArrays, key: ProgramKey, prev: PrevSamples,
                    inputs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The model step: (logits f32[S, V], device drafts i32[R, max_drafts], the sample
-        rows' drafts and shifts i32[3, S])."""
+        """The model step (`key`: from `step_key`): (logits f32[S, V], device drafts
+        i32[R, max_drafts], the sample rows' drafts and shifts i32[3, S])."""
         args = (*self._weights_and_caches(), prev, inputs)
-        step = self.executables.get(step_key(arrays))
+        step = self.executables.get(key)
         self.k_cache, self.v_cache, self.draft_kv, logits, drafts, rows = (
-            _step(self._statics(arrays), layout, *args) if step is None else step(*args))
+            _step(self._statics(arrays), key[1], *args) if step is None else step(*args))
         return logits, drafts, rows
 
     def _call_sampler(self, layout: PackedLayout, logits: jax.Array, prev: PrevSamples,
@@ -263,8 +264,8 @@ class ModelRunner:
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            logits, _, rows = self._call_step(last.arrays, last.layout, last.prev,
-                                              replicate(last.inputs, self.mesh))
+            logits, _, rows = self._call_step(last.arrays, step_key(last.arrays, last.layout),
+                                              last.prev, replicate(last.inputs, self.mesh))
             jax.block_until_ready(self._call_sampler(
                 last.sampling_layout, logits, last.prev, rows,
                 replicate(last.sampling_inputs, self.mesh)))

@@ -19,7 +19,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.executor.sharding import kv_cache_sharding
 from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.device_step import (PrevSamples, StepStatics, _sample, _step,
-                                           sample_rows_shape, step_inputs, step_statics)
+                                           sample_rows_shape, split_model, step_inputs,
+                                           step_statics)
 from jaxserve.executor.step_shapes import (bucket_pairs, max_sample_rows, num_speculative_tokens,
                                            step_buckets, step_variants)
 from jaxserve.executor.packing import pack
@@ -37,7 +38,7 @@ class ModelParts(NamedTuple):
 
     @staticmethod
     def of(model: Llama) -> "ModelParts":
-        return ModelParts(*nnx.split(model), model.cfg)
+        return ModelParts(*split_model(model), model.cfg)
 
 
 @dataclass(frozen=True)
