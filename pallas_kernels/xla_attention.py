@@ -83,12 +83,17 @@ def ragged_paged_attention(
     tile_rows = min(max_query_tile, 1 << (max(1, T // 2).bit_length() - 1))
     # multi-row requests have >= 2 rows each: at most T // 2 of them
     NT = -(-T // tile_rows) + min(R, T // 2)
-    tiles = _QueryTiles.make(jnp.where(single, 0, q_lens), query_start_loc, seq_lens,
-                             tile_rows, NT)
-    return _attend_tiles(out, q, k_cache, v_cache, layer, tiles, block_tables,
-                         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                         kv_chunk_tokens=kv_chunk_tokens or 128,
-                         items_per_iter=items_per_iter or 8)
+    multi = jnp.where(single, 0, q_lens)
+
+    def attend_tiles(out: jax.Array) -> jax.Array:
+        tiles = _QueryTiles.make(multi, query_start_loc, seq_lens, tile_rows, NT)
+        return _attend_tiles(out, q, k_cache, v_cache, layer, tiles, block_tables,
+                             sm_scale=sm_scale, sliding_window=sliding_window,
+                             soft_cap=soft_cap, kv_chunk_tokens=kv_chunk_tokens or 128,
+                             items_per_iter=items_per_iter or 8)
+
+    # A step of decodes only skips the tiles' set-up (~5% of a stories260K step of 32 decodes)
+    return jax.lax.cond(jnp.any(multi > 0), attend_tiles, lambda out: out, out)
 
 
 def _attend_decodes(
