@@ -111,7 +111,7 @@ def main() -> int:
     p.add_argument("--part", choices=("cpu", "targets", "all"), default="all")
     args = p.parse_args()
     if args.part in ("cpu", "all"):
-        body = ("CPU, default engine arguments (buckets: powers of two from 8 to 512 tokens and "
+        body = ("CPU, default engine arguments (buckets: powers of two from 1 to 512 tokens and "
                 "from 8 to 64 requests), `precompile` and `strict_compile` on, JAX's persistent "
                 "cache off. Seconds from spawning Python to the first token (imports, weights, "
                 f"programs, one step), median of {args.repeats}, cold and compiled runs "

@@ -18,10 +18,12 @@ from jaxserve.speculative_config import DEVICE_METHODS
 def step_buckets(config: EngineConfig) -> tuple[list[int], list[int]]:
     """The token and request buckets the model step is compiled for."""
     sched = config.scheduler
-    # From 8 tokens: a decode step of a few requests pays for its bucket's rows in every
-    # matmul, so 8 decodes padded to 16 rows would cost ~1.3x on CPU.
+    # From 1 token: a decode step of a few requests pays for its bucket's rows in every matmul
+    # and sampled row, and (the request bucket being min(R, T) below 8) for its padding
+    # requests in the decodes' attention: one decode of the dummy model took 24 ms padded to 8
+    # tokens and 8 requests, 9 ms unpadded (CPU).
     token_buckets = sorted(config.runner.token_buckets or power_of_two_buckets(
-        min(8, sched.max_num_batched_tokens), sched.max_num_batched_tokens))
+        1, sched.max_num_batched_tokens))
     request_buckets = sorted(config.runner.request_buckets or power_of_two_buckets(
         min(8, sched.max_num_seqs), sched.max_num_seqs))
     if token_buckets[-1] < sched.max_num_batched_tokens:
