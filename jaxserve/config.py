@@ -57,7 +57,8 @@ class SchedulerConfig:
     # ids on the device. Tokens are the same either way (docs in jaxserve/engine/core.py).
     async_scheduling: bool = True
     # Speculative decoding (vLLM's): a mapping or JSON text, validated into a
-    # SpeculativeConfig. Steps with drafts wait for the step before them (no async).
+    # SpeculativeConfig. With async scheduling the next step runs ahead of a drafting step as
+    # if it accepts every draft, and the device corrects it (executor/spec_verify.py).
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
 
@@ -65,8 +66,8 @@ class SchedulerConfig:
 class RunnerConfig:
     attention_backend: str = "auto"
     scan_layers: bool | None = None  # lax.scan over stacked layers; default: on TPU/GPU only
-    token_buckets: list[int] | None = None  # default: powers of two up to max_num_batched_tokens
-    request_buckets: list[int] | None = None  # default: powers of two up to max_num_seqs
+    token_buckets: list[int] | None = None  # default: powers of two, 1 to max_num_batched_tokens
+    request_buckets: list[int] | None = None  # default: powers of two, 8 to max_num_seqs
     precompile: bool = False
     strict_compile: bool = False  # raise on a compilation after warm-up
     compilation_cache_dir: str | None = None  # JAX persistent cache; "" disables

@@ -56,10 +56,10 @@ HELP = {
     "attention_backend": "attention implementation: auto (pallas on TPU/GPU, xla on CPU), "
                          "xla, pallas, or pallas_interpret",
     "scan_layers": "run the layers as one lax.scan (default: on TPU/GPU, not on CPU)",
-    "token_buckets": "padded step sizes to compile, in tokens (default: powers of two up to "
-                     "max_num_batched_tokens)",
-    "request_buckets": "padded request counts to compile (default: powers of two up to "
-                       "max_num_seqs)",
+    "token_buckets": "padded step sizes to compile, in tokens (default: powers of two from 1 "
+                     "to max_num_batched_tokens)",
+    "request_buckets": "padded request counts to compile (default: powers of two from 8 to "
+                       "max_num_seqs; a step of T < 8 tokens pads to T requests)",
     "precompile": "compile every step shape before serving",
     "strict_compile": "fail a step that needs a compilation after warm-up",
     "compilation_cache_dir": "JAX's persistent compilation cache ('' turns it off)",
