@@ -26,7 +26,9 @@ from jaxserve.core.request import KVTransfer, Request, RequestStatus
 from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput, KVLoad, Logprobs,
                                             ModelRunnerOutput, NewRequestData, PromptLogprobs,
                                             SchedulerOutput, SpecDecodingStats)
+from jaxserve.core.remote_kv_scheduling import RemoteKVScheduling
 from jaxserve.core.step_timing import StepTimings
+from jaxserve.core.stop_check import grammar_status, stop_status
 from jaxserve.core.structured_output import grammar_bitmask
 
 
@@ -42,7 +44,7 @@ class SchedulerStats:
     spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
 
 
-class Scheduler:
+class Scheduler(RemoteKVScheduling):
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, eos_token_ids: Iterable[int], hash_seed: int | None,
                  max_sending: int = 0):
@@ -355,63 +357,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    # ---- disaggregated prefill/decode -------------------------------------------------------
-    def _waits_on_remote(self, request: Request) -> bool:
-        """Decode side: no first token yet, or its KV on the way: nothing to do for it now."""
-        return request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and (
-            not request.num_output_tokens or request.request_id in self._holding)
-
-    def _allocate_for_load(self, request: Request) -> bool:
-        """Decode side: blocks for a request whose first token came from the prefill side
-        (prompt + that token), hitting this side's prefix cache first; the prompt blocks past
-        the hit become a KVLoad of this step. False, with nothing changed, when the pool is
-        full (the lookup counts in the stats once it succeeds: it is retried every step)."""
-        hits = self.kv.find_cached_prefix(request)
-        num_hit = len(hits) * self.kv.block_size
-        if self.kv.allocate_slots(request, request.num_tokens - num_hit, hits) is None:
-            return False
-        self.kv.record_query(request, num_hit)
-        self._holding.add(request.request_id)
-        request.num_computed_tokens = num_hit
-        block_size = self.kv.block_size
-        first, end = num_hit // block_size, -(-(request.num_tokens - 1) // block_size)
-        block_ids = self.kv.get_block_ids(request.request_id)[first:end]
-        if block_ids:
-            self._loads.append(KVLoad(request.request_id, block_ids, first))
-        else:  # the whole prompt was a hit here: nothing to move
-            self.finish_loading(request.request_id)
-        return True
-
-    def finish_loading(self, request_id: str) -> None:
-        """Decode side: a request's prompt KV is in its blocks (or its write is dispatched
-        ahead of the next step): it is admitted like a prefix hit of all but its last token."""
-        request = self.requests.get(request_id)
-        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return  # aborted while its KV was on the way
-        request.status = RequestStatus.WAITING
-        request.kv_transfer = None
-        request.num_computed_tokens = request.num_tokens - 1
-
-    def accept_remote_token(self, output: EngineCoreOutput) -> EngineCoreOutput | None:
-        """Decode side: the first token, sampled by the prefill side, applied as if sampled here
-        (stop checks included). None when the request is gone (aborted meanwhile)."""
-        request = self.requests.get(output.request_id)
-        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS \
-                or request.num_output_tokens:
-            return None
-        request.num_cached_tokens = output.num_cached_tokens
-        logprobs = output.new_logprobs[0] if output.new_logprobs else None
-        return self._append_tokens(request, output.new_token_ids[:1],
-                                   None if logprobs is None else [logprobs],
-                                   output.prompt_logprobs)
-
-    def release_sent(self, request_id: str) -> None:
-        """Prefill side: free a finished request's blocks once read (or no longer wanted); they
-        stay in the prefix cache."""
-        request = self.sending.pop(request_id, None)
-        if request is not None:
-            self.kv.free(request)
-
     # ---- after the step ------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput,
                            result: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -450,10 +395,10 @@ class Scheduler:
         status = None
         for num_kept, token in enumerate(tokens, 1):
             request.append_output_token_ids(token)
-            status = self._check_stop(request, token)
+            status = stop_status(request, token, self.max_model_len, self.eos_token_ids)
             if request.structured_output is not None and status is None:
                 with self.timings.phase("mask"):
-                    status = self._advance_grammar(request, token)
+                    status = grammar_status(request, token)
             if status is not None:
                 break
         out = EngineCoreOutput(request.request_id, tokens[:num_kept],
@@ -469,29 +414,6 @@ class Scheduler:
             if status == RequestStatus.FINISHED_ERROR:
                 out.error = request.structured_output.error
         return out
-
-    @staticmethod
-    def _advance_grammar(request: Request, token: int) -> RequestStatus | None:
-        """Feed a sampled token to the request's matcher: stopped once the grammar is complete
-        (nothing but EOS could follow), failed if the matcher refuses it (the mask forbids that
-        unless every token was masked, e.g. EOS held back by min_tokens)."""
-        so = request.structured_output
-        if not so.accept(token):
-            return RequestStatus.FINISHED_ERROR
-        return RequestStatus.FINISHED_STOPPED if so.is_terminated else None
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_output_tokens < params.min_tokens:
-            return None
-        if token in self.eos_token_ids and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        return None
 
     def stats(self) -> SchedulerStats:
         totals = self.kv.total_stats
