@@ -9,6 +9,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.layers.attention import get_attention_backend
 
 
+@pytest.mark.full  # test_schedule_invariance's pallas_scan_layers_tiny_pool checks this against HF
 def test_pallas_interpret_backend_gives_the_xla_greedy_tokens(hf_checkpoint, compile_cache_dir):
     path = hf_checkpoint("llama")
     prompts = random_prompts(6, 1, 40, seed=51) + [random_prompts(1, 20, 20, seed=52)[0] * 2]

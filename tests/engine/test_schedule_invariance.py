@@ -51,7 +51,14 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
+# The interpreted TPU kernels cost ~1 min a setting: pallas_scan_layers_tiny_pool (kernels,
+# scan and preemption at once) runs by default, the other three with `pytest -m full`.
+FULL_RUN_SETTINGS = ("pallas_default", "pallas_threshold_small", "pallas_tiny_pool_preempts")
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.full) if name in FULL_RUN_SETTINGS else name
+    for name in SETTINGS])
 def test_greedy_tokens_do_not_depend_on_the_schedule(expected, compile_cache_dir, name):
     path, reference = expected
     llm = LLM(str(path), compilation_cache_dir=compile_cache_dir,

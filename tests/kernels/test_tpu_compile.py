@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from target_compilers import target_compiler_env
 
 REPO = Path(__file__).resolve().parents[2]
 TPU_PYTHON = REPO / ".venv-tpu" / "bin" / "python"
@@ -21,7 +22,7 @@ BAD = ("misaligned-query-tile", "oversized-kv-tile", "block-table-over-smem")
 @pytest.mark.skipif(not TPU_PYTHON.exists(),
                     reason=".venv-tpu absent: run scripts/setup_compile_venvs.sh tpu")
 def test_tpu_kernel_compiles_for_v5e_and_v6e_and_bad_tiles_do_not() -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env = target_compiler_env(PYTHONPATH=str(REPO))
     proc = subprocess.run([str(TPU_PYTHON), str(REPO / "scripts" / "check_tpu_compile.py"),
                            "--topologies", *TOPOLOGIES],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
