@@ -115,7 +115,14 @@ def count_corrected_requests(llm: LLM) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
+# Preemption under speculation stays in the default run through the layer-skip and draft-model
+# tiny-pool settings.
+FULL_RUN_SETTINGS = ("ngram_k1_priority_tiny_pool",)
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.full) if name in FULL_RUN_SETTINGS else name
+    for name in SETTINGS])
 def test_greedy_tokens_equal_hf_with_speculation(llama, expected, compile_cache_dir, drafts,
                                                  name):
     """With async scheduling (on in every setting) a step launched while the one before it
@@ -218,8 +225,8 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(plai
     assert_no_leaks(plain_and_spec[proposer].engine)
 
 
-@pytest.mark.parametrize("spec", [NGRAM, LAYER_SKIP, DRAFT_FIRST_LAYER],
-                         ids=["ngram", "layer_skip", "draft_model"])
+@pytest.mark.parametrize("spec", [pytest.param(NGRAM, marks=pytest.mark.full), LAYER_SKIP,
+                                  DRAFT_FIRST_LAYER], ids=["ngram", "layer_skip", "draft_model"])
 def test_no_compilation_after_warm_up_with_speculation(llama, compile_cache_dir, drafts, spec):
     llm = LLM(str(llama), compilation_cache_dir=compile_cache_dir, precompile=True,
               strict_compile=True,

@@ -89,7 +89,10 @@ def proposer_args(proposer: str, hf_checkpoint) -> dict:  # noqa: ANN001 (the fi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+# A draft model's drafts come with their own probabilities (the general rejection test);
+# n-gram drafts (probability one) run with `pytest -m full`.
+@pytest.mark.parametrize("proposer", [pytest.param("ngram", marks=pytest.mark.full),
+                                      "draft_model"])
 def test_sampled_joint_equals_the_targets_and_the_test_catches_unverified_drafts(
         small_vocab, compile_cache_dir, monkeypatch, hf_checkpoint, proposer):
     path, joint = small_vocab

@@ -96,7 +96,8 @@ def draft_config_dir(tmp_path: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("name, method", [
     pytest.param("tpu-v6e-llama3-8b", "layer_skip", marks=pytest.mark.full),
-    ("h200-llama3-8b", "layer_skip"), ("tpu-v6e-llama3-8b", "draft_model")])
+    pytest.param("h200-llama3-8b", "layer_skip", marks=pytest.mark.full),
+    ("tpu-v6e-llama3-8b", "draft_model")])
 def test_speculative_steps_compile_without_copying_the_cache(name, method, tmp_path):
     """Layer skip's drafting program (a loop of partial-depth decodes writing the cache, then
     the verifying pass) and the wider sample-row variant keep the cache in place too; so do
@@ -140,9 +141,9 @@ def test_a_write_that_copies_the_cache_fails_the_gate(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tpu-v5e-llama3-8b", "h200-llama3-8b"])
 def test_a_preset_builds_its_compiled_dir_deviceless(name, tmp_path):
-    """`jaxserve compile --target`: every program of the preset (4 layers here, and its smallest
-    token bucket: each bucket adds its step and eight sampling programs, ~9 s each for TPU on
-    CI's cores), serialized."""
+    """`jaxserve compile --target`: every program of the preset, serialized. Here with 4 layers,
+    the smallest token bucket and 16 requests: each bucket adds its step and eight sampling
+    programs, whose TPU compile grows with their rows (~9 s each at 256 rows on CI's cores)."""
     import yaml
 
     target, _ = PRESETS[name]
@@ -156,7 +157,8 @@ def test_a_preset_builds_its_compiled_dir_deviceless(name, tmp_path):
     proc = subprocess.run([str(VENVS[platform]), "-m", "jaxserve.entrypoints.cli", "compile",
                            str(LLAMA3_8B), "--target", target, "--config", str(preset),
                            "--num-layers", "4", "--token-buckets", bucket,
-                           "--max-num-batched-tokens", bucket,
+                           "--max-num-batched-tokens", bucket, "--max-num-seqs", "16",
+                           "--request-buckets", "16",
                            "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -23,9 +23,9 @@ def gqa8(hf_checkpoint):
 # TP 8 and TP 2 x DP 4 span every device; the narrower meshes run with `pytest -m full`.
 @pytest.mark.parametrize("tp,dp,backend", [
     *(pytest.param(tp, dp, backend, marks=pytest.mark.full)
-      for tp, dp, backend in [(1, 1, "xla"), (2, 1, "xla"), (4, 1, "xla"),
+      for tp, dp, backend in [(1, 1, "xla"), (2, 1, "xla"), (4, 1, "xla"), (2, 2, "xla"),
                               (4, 1, "pallas_interpret")]),
-    (8, 1, "xla"), (2, 2, "xla"), (2, 4, "xla"), (2, 2, "pallas_interpret")])
+    (8, 1, "xla"), (2, 4, "xla"), (2, 2, "pallas_interpret")])
 def test_greedy_tokens_equal_single_device(gqa8, compile_cache_dir, tp, dp, backend):
     path, prompts, expected = gqa8
     llm = LLM(str(path), tensor_parallel_size=tp, data_parallel_size_local=dp,
@@ -35,7 +35,8 @@ def test_greedy_tokens_equal_single_device(gqa8, compile_cache_dir, tp, dp, back
     assert_no_leaks(llm.engine)
 
 
-@pytest.mark.parametrize("method, tp, dp", [("layer_skip", 2, 2), ("draft_model", 2, 1)])
+@pytest.mark.parametrize("method, tp, dp", [
+    pytest.param("layer_skip", 2, 2, marks=pytest.mark.full), ("draft_model", 2, 1)])
 def test_speculation_under_tp_and_dp_gives_the_same_greedy_tokens(gqa8, compile_cache_dir,
                                                                   method, tp, dp):
     """Layer skip, and the target as its own draft model (its weights and cache sharded by
