@@ -9,6 +9,9 @@ import pytest
 SMALL_ENGINE = dict(max_model_len=128, num_kv_blocks=160, block_size=16, max_num_seqs=16,
                     max_num_batched_tokens=128, token_buckets=[16, 32, 64, 128],
                     request_buckets=[4, 16])
+# For the costliest engines (interpreted TPU kernels, speculation's two programs a bucket, draft
+# models): two token buckets and one request bucket.
+FEW_BUCKETS = dict(token_buckets=[32, 128], request_buckets=[16])
 
 
 def random_prompts(n: int, low: int, high: int, seed: int, vocab: int = 320) -> list[list[int]]:

@@ -16,7 +16,9 @@ GOLDEN_TEXT = ("Once upon a time, there was a little girl named Lily. She loved 
                "was too high.\nLily")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+# qwen2's biases and tied head are checked against HF logits in tests/models; its generate run
+# is in `pytest -m full`.
+@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen2", marks=pytest.mark.full), "qwen3"])
 def test_greedy_matches_hf_generate_for_16_prompts(hf_checkpoint, compile_cache_dir, kind):
     path = hf_checkpoint(kind)
     prompts = random_prompts(16, 1, 60, seed=7)

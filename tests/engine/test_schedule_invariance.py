@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prompts
+from engine_helpers import FEW_BUCKETS, SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prompts
 from jaxserve import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -47,7 +47,7 @@ SETTINGS = {
     # The layer loop as lax.scan (the TPU/GPU default), with both backends.
     "scan_layers": {"scan_layers": True},
     "pallas_scan_layers_tiny_pool": {"attention_backend": "pallas_interpret", "scan_layers": True,
-                                     "num_kv_blocks": 14},
+                                     "num_kv_blocks": 14, **FEW_BUCKETS},
 }
 
 

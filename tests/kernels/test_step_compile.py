@@ -139,7 +139,8 @@ def test_a_write_that_copies_the_cache_fails_the_gate(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tpu-v5e-llama3-8b", "h200-llama3-8b"])
+@pytest.mark.parametrize("name", ["tpu-v5e-llama3-8b",
+                                  pytest.param("h200-llama3-8b", marks=pytest.mark.full)])
 def test_a_preset_builds_its_compiled_dir_deviceless(name, tmp_path):
     """`jaxserve compile --target`: every program of the preset, serialized. Here with 4 layers,
     the smallest token bucket and 16 requests: each bucket adds its step and eight sampling
