@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import FEW_BUCKETS, SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prompts
+from full_run import params_with_full_run
 from jaxserve import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -56,9 +57,7 @@ SETTINGS = {
 FULL_RUN_SETTINGS = ("pallas_default", "pallas_threshold_small", "pallas_tiny_pool_preempts")
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.full) if name in FULL_RUN_SETTINGS else name
-    for name in SETTINGS])
+@pytest.mark.parametrize("name", params_with_full_run(SETTINGS, FULL_RUN_SETTINGS))
 def test_greedy_tokens_do_not_depend_on_the_schedule(expected, compile_cache_dir, name):
     path, reference = expected
     llm = LLM(str(path), compilation_cache_dir=compile_cache_dir,

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine_helpers import FEW_BUCKETS, SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prompts
+from full_run import params_with_full_run
 from jaxserve import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -116,9 +117,7 @@ def count_corrected_requests(llm: LLM) -> list[int]:
 FULL_RUN_SETTINGS = ("ngram_k1_priority_tiny_pool",)
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.full) if name in FULL_RUN_SETTINGS else name
-    for name in SETTINGS])
+@pytest.mark.parametrize("name", params_with_full_run(SETTINGS, FULL_RUN_SETTINGS))
 def test_greedy_tokens_equal_hf_with_speculation(llama, expected, compile_cache_dir, drafts,
                                                  name):
     """With async scheduling (on in every setting) a step launched while the one before it

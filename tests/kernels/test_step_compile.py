@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from full_run import params_with_full_run
 from target_compilers import target_compiler_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,9 +60,7 @@ def _preset_buckets(preset: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.full) if name in FULL_RUN_PRESETS else name
-    for name in PRESETS])
+@pytest.mark.parametrize("name", params_with_full_run(PRESETS, FULL_RUN_PRESETS))
 def test_preset_compiles_for_its_target_without_copying_the_cache(name, tmp_path):
     target, layers = PRESETS[name]
     platform = "tpu" if name.startswith("tpu") else "gpu"
