@@ -158,10 +158,11 @@ def dummy_hf_checkpoint(out_dir: Path | None = None, seed: int = 0) -> Path:
 
 def canonical_to_hf(params: dict[str, np.ndarray], num_layers: int,
                     tie: bool) -> dict[str, np.ndarray]:
-    """jaxserve's canonical weights (`x @ w`, layers stacked) as HF Llama tensors ([out, in])."""
+    """jaxserve's canonical weights (`x @ w`, layers stacked; embedding and LM head [vocab, hidden])
+    as HF Llama tensors ([out, in])."""
     hf = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
     if not tie:
-        hf["lm_head.weight"] = params["lm_head"].T
+        hf["lm_head.weight"] = params["lm_head"]
     names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
              "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
              "w_down": "mlp.down_proj"}

@@ -182,8 +182,8 @@ def forward(params: dict[str, jax.Array], ids: jax.Array, cfg: LlamaConfig) -> j
     stacked = {n: params[n] for n in LAYER_PARAMS if n in params}
     x, _ = jax.lax.scan(layer, x, stacked)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return x @ head
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return x @ head.T
 
 
 def mean_nll(params: dict[str, jax.Array], batch: jax.Array, cfg: LlamaConfig) -> jax.Array:

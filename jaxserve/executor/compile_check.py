@@ -109,9 +109,9 @@ def abstract_model(cfg: LlamaConfig, mesh: Mesh, dtype: Any,
     tp = mesh.shape[AXIS]
     shapes = param_shapes(cfg)
     vocab = padded_vocab_size(cfg.vocab_size, tp)
-    shapes["embed"] = (vocab, cfg.hidden_size)
-    if "lm_head" in shapes:
-        shapes["lm_head"] = (cfg.hidden_size, vocab)
+    for name in ("embed", "lm_head"):
+        if name in shapes:
+            shapes[name] = (vocab, cfg.hidden_size)
     model = nnx.eval_shape(lambda: Llama(
         cfg, {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()}, dtype,
         scan_layers=scan_layers))

@@ -19,7 +19,7 @@ from jaxserve.models.llama_config import LlamaConfig
 
 _SPECS = {
     "embed": P(AXIS, None),
-    "lm_head": P(None, AXIS),
+    "lm_head": P(AXIS, None),
     "wq": P(None, None, AXIS), "wk": P(None, None, AXIS), "wv": P(None, None, AXIS),
     "bq": P(None, AXIS), "bk": P(None, AXIS), "bv": P(None, AXIS),
     "wo": P(None, AXIS, None),
@@ -63,9 +63,9 @@ def pad_vocab(params: dict[str, np.ndarray], vocab_size: int, tp: int) -> dict[s
     if not extra:
         return params
     out = dict(params)
-    out["embed"] = np.pad(params["embed"], ((0, extra), (0, 0)))
-    if "lm_head" in params:
-        out["lm_head"] = np.pad(params["lm_head"], ((0, 0), (0, extra)))
+    for name in ("embed", "lm_head"):
+        if name in params:
+            out[name] = np.pad(params[name], ((0, extra), (0, 0)))
     return out
 
 

@@ -32,7 +32,7 @@ _LAYER_TENSORS = {  # canonical name -> GGUF name inside `blk.{i}.`
 }
 _GLOBAL_TENSORS = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
                    "lm_head": "output.weight"}
-_LINEAR = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
+_LINEAR = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
 
 _MISSING = object()
 

@@ -35,7 +35,7 @@ _LAYER_TENSORS = {
 _GLOBAL_TENSORS = {
     "embed": ("model.embed_tokens.weight", False),
     "final_norm": ("model.norm.weight", False),
-    "lm_head": ("lm_head.weight", True),
+    "lm_head": ("lm_head.weight", False),
 }
 # Present in some checkpoints, never needed: RoPE tables are recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

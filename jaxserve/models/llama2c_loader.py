@@ -97,7 +97,7 @@ def load_llama2c(path: str | Path) -> LoadedModel:
     for name in ("wv", "wo", "w_gate", "w_up", "w_down"):
         params[name] = np.ascontiguousarray(np.swapaxes(raw[name], 1, 2), dtype=np.float32)
     if not tied:
-        params["lm_head"] = np.ascontiguousarray(raw["lm_head"].T, dtype=np.float32)
+        params["lm_head"] = np.array(raw["lm_head"], dtype=np.float32)
     del flat, raw
 
     config = LlamaConfig(

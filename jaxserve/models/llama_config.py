@@ -184,7 +184,7 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     if cfg.qk_norm:
         shapes |= {"q_norm": (L, cfg.head_dim), "k_norm": (L, cfg.head_dim)}
     if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (D, V)
+        shapes["lm_head"] = (V, D)
     return shapes
 
 

@@ -39,7 +39,7 @@ def gguf_tensors(loaded: LoadedModel, arch: str) -> dict[str, np.ndarray]:
     cfg, p = loaded.config, loaded.params
     out = {"token_embd.weight": p["embed"], "output_norm.weight": p["final_norm"]}
     if "lm_head" in p:
-        out["output.weight"] = p["lm_head"].T
+        out["output.weight"] = p["lm_head"]
     for name, suffix in LAYER_NAMES.items():
         if name not in p:
             continue
@@ -107,10 +107,9 @@ def test_gguf_llama_layout_and_types_load_as_canonical(
             cfg.rms_norm_eps, cfg.tie_word_embeddings) == (64, 4, 2, 16, 10000.0, 1e-6, False)
     assert sorted(loaded.params) == sorted(hf.params)
     for name, value in hf.params.items():
-        if name in LINEAR or name == "lm_head":
-            expected = np.stack([round_trip(w.T, qtype).T for w in value]) if value.ndim == 3 \
-                else round_trip(value.T, qtype).T
-        elif name == "embed":
+        if name in LINEAR:
+            expected = np.stack([round_trip(w.T, qtype).T for w in value])
+        elif name in ("embed", "lm_head"):
             expected = round_trip(value, qtype)
         else:  # norms: one F32 vector per layer
             expected = value

@@ -47,7 +47,7 @@ def expected_from_safetensors(tensors: dict[str, np.ndarray], cfg: LlamaConfig
     out = {"embed": tensors["model.embed_tokens.weight"],
            "final_norm": tensors["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
-        out["lm_head"] = tensors["lm_head.weight"].T
+        out["lm_head"] = tensors["lm_head.weight"]
     for name in param_shapes(cfg):
         if name in HF_NAMES:
             hf, linear = HF_NAMES[name]
@@ -214,7 +214,7 @@ def write_llama2c(path: Path, loaded: LoadedModel, seq_len: int = 32) -> None:
              p["w_up"].transpose(0, 2, 1), p["final_norm"],
              np.zeros(seq_len * cfg.head_dim // 2), np.zeros(seq_len * cfg.head_dim // 2)]
     if not cfg.tie_word_embeddings:
-        parts.append(p["lm_head"].T)
+        parts.append(p["lm_head"])
     header = struct.pack("<7i", cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
                          cfg.num_heads, cfg.num_kv_heads, vocab, seq_len)
     path.write_bytes(header + b"".join(np.asarray(x, "<f4").tobytes() for x in parts))
