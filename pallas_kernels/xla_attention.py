@@ -58,15 +58,18 @@ def ragged_paged_attention(
     items_per_iter: int | None = None,
     max_query_tile: int = 32,
     decode_chunk_bytes: int = DECODE_CHUNK_BYTES,
+    decode_rows: int = 1,
 ) -> jax.Array:  # [T, Hq, D]
     """Split-KV attention with work proportional to the KV each row can see.
 
-    Decodes (single-row requests) go together: one loop over their KV in chunks of pages,
-    each iteration one gather of every decode's next pages (about `decode_chunk_bytes` of K)
-    and two batched dots, folded by online softmax; the loop runs to the longest decode's
+    Decodes (requests of 1 to `decode_rows` query rows: a decode, or a decode verifying its
+    speculative drafts) go together: one loop over their KV in chunks of pages, each iteration
+    one gather of every decode's next pages (about `decode_chunk_bytes` of K), shared by all its
+    rows, and two batched dots, folded by online softmax; the loop runs to the longest decode's
     context. (Work items like the tiles' below, one chunk of one decode each, took 2.6x as long
     in a step of 32 decodes of stories260K, 1.1x of the dummy model: small gathers and dots,
-    scatter folds.) The other requests are cut into query tiles of up to `max_query_tile` rows, so a
+    scatter folds; 8 requests verifying 4 drafts each in 32-row tiles took 4.4x as long.)
+    The other requests are cut into query tiles of up to `max_query_tile` rows, so a
     prefill chunk's rows share each KV page they gather. A work item is one tile against one
     chunk of `kv_chunk_tokens` (default 128) of its KV: only the chunks up to the tile's last
     position, and from its first position's window. The tiles run a loop of
@@ -76,14 +79,14 @@ def ragged_paged_attention(
     T = q.shape[0]
     R = seq_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # i32[R]
-    single = q_lens == 1
-    out = _attend_decodes(q, k_cache, v_cache, layer, single, seq_lens, block_tables,
-                          query_start_loc, sm_scale=sm_scale, sliding_window=sliding_window,
-                          soft_cap=soft_cap, chunk_bytes=decode_chunk_bytes)
+    out = _attend_decodes(q, k_cache, v_cache, layer, q_lens, seq_lens, block_tables,
+                          query_start_loc, max_rows=decode_rows, sm_scale=sm_scale,
+                          sliding_window=sliding_window, soft_cap=soft_cap,
+                          chunk_bytes=decode_chunk_bytes)
     tile_rows = min(max_query_tile, 1 << (max(1, T // 2).bit_length() - 1))
-    # multi-row requests have >= 2 rows each: at most T // 2 of them
-    NT = -(-T // tile_rows) + min(R, T // 2)
-    multi = jnp.where(single, 0, q_lens)
+    # the other requests have > decode_rows rows each: at most T // (decode_rows + 1) of them
+    NT = -(-T // tile_rows) + min(R, T // (decode_rows + 1))
+    multi = jnp.where(q_lens > decode_rows, q_lens, 0)
 
     def attend_tiles(out: jax.Array) -> jax.Array:
         tiles = _QueryTiles.make(multi, query_start_loc, seq_lens, tile_rows, NT)
@@ -101,11 +104,12 @@ def _attend_decodes(
     k_cache: jax.Array,  # [L, Hkv, NB, BS, D]
     v_cache: jax.Array,  # [L, Hkv, NB, BS, D]
     layer: int | jax.Array,
-    decode: jax.Array,  # bool[R]  the request has one query row
+    q_lens: jax.Array,  # i32[R]
     seq_lens: jax.Array,  # i32[R]
     block_tables: jax.Array,  # i32[R, P]
     query_start_loc: jax.Array,  # i32[R + 1]
     *,
+    max_rows: int,  # requests of 1..max_rows query rows are decodes
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -115,15 +119,20 @@ def _attend_decodes(
     R, P = block_tables.shape
     Hkv, BS = k_cache.shape[1], k_cache.shape[3]
     G = Hq // Hkv
+    Q = max_rows
     page_bytes = R * Hkv * BS * D * k_cache.dtype.itemsize  # one page of every request
     C = max(1, min(P, chunk_bytes // page_bytes, DECODE_CHUNK_TOKENS // BS))  # pages an iteration
     S = C * BS
     tables = jnp.pad(block_tables, ((0, 0), (0, -(-P // C) * C - P)))
-    rows = jnp.minimum(query_start_loc[:-1], T - 1)  # i32[R]  each request's first row
-    lens = jnp.where(decode, seq_lens, 0)  # KV visible to each decode; 0: not a decode
-    # [Hkv, R, G, D]: the dots are q K^T and p V, batched over (head, request), which
+    row = jnp.arange(Q, dtype=jnp.int32)
+    decode = (q_lens <= Q)[:, None] & (row < q_lens[:, None])  # bool[R, Q]  a decode's rows
+    q_rows = jnp.minimum(query_start_loc[:-1, None] + row, T - 1)  # i32[R, Q]
+    # KV visible to each row (the last q_len positions are the rows'); 0: not a decode row
+    lens = jnp.where(decode, (seq_lens - q_lens)[:, None] + 1 + row, 0)  # i32[R, Q]
+    # [Hkv, R, Q * G, D]: the dots are q K^T and p V, batched over (head, request), which
     # XLA:CPU runs ~1.6x faster than K q and p^T V (whose transposed operand it copies)
-    qh = (q[rows].astype(jnp.float32) * sm_scale).reshape(R, Hkv, G, D).transpose(1, 0, 2, 3)
+    qh = (q[q_rows].astype(jnp.float32) * sm_scale).reshape(R, Q, Hkv, G, D)
+    qh = qh.transpose(2, 0, 1, 3, 4).reshape(Hkv, R, Q * G, D)
     if sliding_window is None:
         first = jnp.zeros((), jnp.int32)
         lo = jnp.zeros_like(lens)
@@ -132,7 +141,7 @@ def _attend_decodes(
         first = jnp.min(jnp.where(decode, lo, jnp.iinfo(jnp.int32).max)) // S
 
     def body(c: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
-        m, l, acc = carry  # [Hkv, R, G], [Hkv, R, G], [Hkv, R, G, D]
+        m, l, acc = carry  # [Hkv, R, Q * G], [Hkv, R, Q * G], [Hkv, R, Q * G, D]
         pages = jax.lax.dynamic_slice_in_dim(tables, c * C, C, axis=1)  # i32[R, C]
         k = _gather_pages(k_cache, layer, pages).astype(jnp.float32).reshape(Hkv, R, S, D)
         v = _gather_pages(v_cache, layer, pages).astype(jnp.float32).reshape(Hkv, R, S, D)
@@ -140,22 +149,24 @@ def _attend_decodes(
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = c * S + jnp.arange(S, dtype=jnp.int32)
-        mask = (kv_pos[None, :] < lens[:, None]) & (kv_pos[None, :] >= lo[:, None])  # [R, S]
-        m_c, p = _softmax_partials(s, mask[None, :, None, :], -1)
+        mask = (kv_pos < lens[..., None]) & (kv_pos >= lo[..., None])  # [R, Q, S]
+        mask = jnp.broadcast_to(mask[:, :, None], (R, Q, G, S)).reshape(1, R, Q * G, S)
+        m_c, p = _softmax_partials(s, mask, -1)
         m_new = jnp.maximum(m, m_c[..., 0])
         scale, beta = jnp.exp(m - m_new), jnp.exp(m_c[..., 0] - m_new)
         l = l * scale + p.sum(-1) * beta
         acc = acc * scale[..., None] + jnp.einsum("hrgs,hrsd->hrgd", p, v) * beta[..., None]
         return m_new, l, acc
 
-    shape = (Hkv, R, G)
+    shape = (Hkv, R, Q * G)
     init = (jnp.full(shape, _MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros((*shape, D), jnp.float32))
     last = (jnp.max(lens) + S - 1) // S
     _, l, acc = jax.lax.fori_loop(first, jnp.maximum(first, last), body, init)
     o = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
-    o = o.transpose(1, 0, 2, 3).reshape(R, Hq, D).astype(q.dtype)
-    return jnp.zeros(q.shape, q.dtype).at[jnp.where(decode, rows, T)].set(o, mode="drop")
+    o = o.reshape(Hkv, R, Q, G, D).transpose(1, 2, 0, 3, 4).reshape(R * Q, Hq, D)
+    dest = jnp.where(decode, q_rows, T).reshape(-1)  # other rows fall off the end
+    return jnp.zeros(q.shape, q.dtype).at[dest].set(o.astype(q.dtype), mode="drop")
 
 
 @dataclass(frozen=True)

@@ -226,7 +226,8 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
     bs = config.cache.block_size
     min_blocks = -(-max_model_len // bs) + 1
     dtype = accelerator_dtype(config)
-    backend = get_attention_backend(config.runner.attention_backend, target.platform, mesh)
+    backend = get_attention_backend(config.runner.attention_backend, target.platform, mesh,
+                                    decode_rows=1 + num_speculative_tokens(config))
     if kv_write == "scatter":
         backend = dataclasses.replace(backend, writer=scatter_write)
     scan = config.runner.scans_layers(target.platform)

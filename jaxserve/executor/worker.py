@@ -30,6 +30,7 @@ from jaxserve.executor.sharding import (
     validate_tensor_parallel,
 )
 from jaxserve.executor.step_program import ModelParts, kv_blocks_for, largest_step_temp_bytes
+from jaxserve.executor.step_shapes import num_speculative_tokens
 from jaxserve.layers.attention import (
     AttentionBackend,
     get_attention_backend,
@@ -103,7 +104,8 @@ class Worker:
         self.draft = None if draft is None else place_draft(
             draft, cfg, self.max_model_len, self.mesh, self.dtype,
             config.runner.scans_layers(platform))
-        backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh)
+        backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh,
+                                        decode_rows=1 + num_speculative_tokens(config))
         self._validate_backend(backend, platform, cfg)
         if self.draft is not None:
             try:

@@ -88,6 +88,12 @@ class AttentionBackend:
 
 
 @functools.cache
+def _xla_kernel(decode_rows: int) -> AttendFn:
+    # Cached so equal backends are one object: the jitted step's cache is keyed on it.
+    return functools.partial(xla_attention.ragged_paged_attention, decode_rows=decode_rows)
+
+
+@functools.cache
 def _pallas_kernels(kind: str, interpret: bool) -> tuple[AttendFn, WriteFn]:
     # Cached so equal backends are one object: the jitted step's cache is keyed on it.
     from pallas_kernels import kv_write_tpu, ragged_paged_attention_gpu, ragged_paged_attention_tpu
@@ -98,17 +104,20 @@ def _pallas_kernels(kind: str, interpret: bool) -> tuple[AttendFn, WriteFn]:
             functools.partial(kv_write_tpu, interpret=interpret))
 
 
-def get_attention_backend(name: str, platform: str | None = None,
-                          mesh: Mesh | None = None) -> AttentionBackend:
+def get_attention_backend(name: str, platform: str | None = None, mesh: Mesh | None = None,
+                          decode_rows: int = 1) -> AttentionBackend:
     """`auto` is the Pallas kernel on TPU and GPU and `xla` on CPU; `pallas_interpret` runs the
-    TPU kernel's program in Pallas interpret mode (any platform, for tests)."""
+    TPU kernel's program in Pallas interpret mode (any platform, for tests). `decode_rows`: the
+    `xla` backend's decode path takes requests of up to this many query rows (1 + the
+    speculative tokens, so a verifying decode shares its pages across its rows); the Pallas
+    kernels tile any query length alike."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     platform = platform or jax.default_backend()
     if name == "auto":
         name = "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"
     if name == "xla":
-        return AttentionBackend("xla", xla_attention.ragged_paged_attention, mesh)
+        return AttentionBackend("xla", _xla_kernel(decode_rows), mesh)
     if name == "pallas" and platform not in ("tpu", "gpu", "cuda", "rocm"):
         raise ValueError(f"attention_backend 'pallas' needs a TPU or GPU, this is {platform!r}; "
                          "use 'pallas_interpret' or 'xla'")

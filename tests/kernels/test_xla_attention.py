@@ -18,6 +18,8 @@ CASES = {
     "one_long_prefill": ([60], [70]),
     "mixed": ([1, 1, 13, 1, 30, 2], [9, 30, 13, 50, 45, 2]),
     "chunks_and_padding_rows": ([7, 1, 20], [20, 8, 60]),
+    # decodes verifying drafts, a whole 5-token prompt, and an 8-row chunk
+    "verify": ([5, 1, 3, 5, 8, 2], [20, 9, 40, 5, 30, 2]),
 }
 
 
@@ -45,6 +47,18 @@ def test_decodes_fold_their_kv_chunks_in_any_number_of_iterations(case, window):
         check_against_oracle(case, window, None, 8, decode_chunk_bytes=chunk_bytes)
 
 
+@pytest.mark.parametrize("decode_rows", [2, 5])
+@pytest.mark.parametrize("window,cap", [(None, None), (6, None), (None, 5.0)])
+def test_requests_of_up_to_decode_rows_rows_attend_as_decodes(decode_rows, window, cap):
+    """The decode path takes requests of 1..decode_rows rows (a decode with its drafts), all
+    rows of one request over its pages at once, each row with its own causal end; longer
+    requests stay with the tiles. Chunked one page per iteration, or all pages at once."""
+    for case in ("verify", "mixed"):
+        for chunk_bytes in (1, 1 << 30):
+            check_against_oracle(case, window, cap, 8, decode_chunk_bytes=chunk_bytes,
+                                 decode_rows=decode_rows)
+
+
 def test_as_many_requests_as_rows_with_multi_row_requests():
     """Padding requests can make R equal T while some requests have several rows."""
     check_against_oracle("chunks_and_padding_rows", None, None, 8, pad_requests=28,
@@ -52,7 +66,7 @@ def test_as_many_requests_as_rows_with_multi_row_requests():
 
 
 def check_against_oracle(case, window, cap, items_per_iter, decode_chunk_bytes=1 << 20,
-                         pad_requests=2, pad_rows=5):
+                         pad_requests=2, pad_rows=5, decode_rows=1):
     q_lens, kv_lens = CASES[case]
     rng = np.random.default_rng(0)
     k_cache = rng.standard_normal((L, HKV, NB, BS, D)).astype(np.float32)
@@ -71,7 +85,7 @@ def check_against_oracle(case, window, cap, items_per_iter, decode_chunk_bytes=1
                                  jnp.asarray(qsl), sm_scale=D ** -0.5, sliding_window=window,
                                  soft_cap=cap, kv_chunk_tokens=16,
                                  items_per_iter=items_per_iter,
-                                 decode_chunk_bytes=decode_chunk_bytes)
+                                 decode_chunk_bytes=decode_chunk_bytes, decode_rows=decode_rows)
     out = np.asarray(out)
     ref = oracle.ragged_paged_attention(q, k_cache, v_cache, 1, seq_lens, tables, qsl,
                                         sm_scale=D ** -0.5, sliding_window=window, soft_cap=cap)
