@@ -52,8 +52,9 @@ def test_decodes_fold_their_kv_chunks_in_any_number_of_iterations(case, window):
 def test_requests_of_up_to_decode_rows_rows_attend_as_decodes(decode_rows, window, cap):
     """The decode path takes requests of 1..decode_rows rows (a decode with its drafts), all
     rows of one request over its pages at once, each row with its own causal end; longer
-    requests stay with the tiles. Chunked one page per iteration, or all pages at once."""
-    for case in ("verify", "mixed"):
+    requests stay with the tiles. Chunked one page per iteration, or all pages at once; a step
+    of single-row decodes only (the path without room for drafts)."""
+    for case in ("verify", "mixed", "decode"):
         for chunk_bytes in (1, 1 << 30):
             check_against_oracle(case, window, cap, 8, decode_chunk_bytes=chunk_bytes,
                                  decode_rows=decode_rows)
