@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_decode_attention
+
 _MASK_VALUE = -1e30  # finite, so fully masked rows (padding) give 0 instead of NaN
 # A decode iteration gathers every decode's next pages: about this many bytes of K (V as many
 # again), and at most DECODE_CHUNK_TOKENS positions, so a few decodes in a long max_model_len
@@ -59,6 +61,7 @@ def ragged_paged_attention(
     max_query_tile: int = 32,
     decode_chunk_bytes: int = DECODE_CHUNK_BYTES,
     decode_rows: int = 1,
+    native_decodes: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Split-KV attention with work proportional to the KV each row can see.
 
@@ -75,7 +78,9 @@ def ragged_paged_attention(
     position, and from its first position's window. The tiles run a loop of
     ceil(items / items_per_iter) (default 8) iterations, each gathering its items' pages,
     computing their partial softmax (max, sum, weighted V) and folding them into per-tile
-    accumulators: padding tiles and short sequences beside a long one cost nothing."""
+    accumulators: padding tiles and short sequences beside a long one cost nothing.
+    `native_decodes` (CPU only) runs the decodes in cpu_decode_attention's native kernel instead,
+    which reads each request's pages once for all its rows at near the host's bandwidth."""
     T = q.shape[0]
     R = seq_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # i32[R]
@@ -86,7 +91,12 @@ def ragged_paged_attention(
                                sliding_window=sliding_window, soft_cap=soft_cap,
                                chunk_bytes=decode_chunk_bytes)
 
-    if decode_rows == 1:
+    if native_decodes:
+        out = cpu_decode_attention.attend_decodes(
+            q, k_cache, v_cache, layer, seq_lens, block_tables, query_start_loc,
+            max_rows=decode_rows, sm_scale=sm_scale, sliding_window=sliding_window,
+            soft_cap=soft_cap)
+    elif decode_rows == 1:
         out = attend_decodes(1)
     else:  # room for drafts (Q * G query rows a request) made a step of 32 plain decodes
         # ~10% slower (dummy-30m): only when some request has 2..decode_rows rows

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.layers.axes import AXIS
-from pallas_kernels import xla_attention
+from pallas_kernels import cpu_decode_attention, xla_attention
 
-BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
+BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas_interpret")
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -88,9 +88,10 @@ class AttentionBackend:
 
 
 @functools.cache
-def _xla_kernel(decode_rows: int) -> AttendFn:
+def _xla_kernel(decode_rows: int, native_decodes: bool) -> AttendFn:
     # Cached so equal backends are one object: the jitted step's cache is keyed on it.
-    return functools.partial(xla_attention.ragged_paged_attention, decode_rows=decode_rows)
+    return functools.partial(xla_attention.ragged_paged_attention, decode_rows=decode_rows,
+                             native_decodes=native_decodes)
 
 
 @functools.cache
@@ -106,18 +107,26 @@ def _pallas_kernels(kind: str, interpret: bool) -> tuple[AttendFn, WriteFn]:
 
 def get_attention_backend(name: str, platform: str | None = None, mesh: Mesh | None = None,
                           decode_rows: int = 1) -> AttentionBackend:
-    """`auto` is the Pallas kernel on TPU and GPU and `xla` on CPU; `pallas_interpret` runs the
-    TPU kernel's program in Pallas interpret mode (any platform, for tests). `decode_rows`: the
-    `xla` backend's decode path takes requests of up to this many query rows (1 + the
-    speculative tokens, so a verifying decode shares its pages across its rows); the Pallas
-    kernels tile any query length alike."""
+    """`auto` is the Pallas kernel on TPU and GPU, and on CPU `cpu` where its native kernel
+    builds, else `xla`. `cpu` is `xla` with the decodes in a native C++ kernel (compiled on
+    first use). `pallas_interpret` runs the TPU kernel's program in Pallas interpret mode (any
+    platform, for tests). `decode_rows`: the `xla` and `cpu` backends' decode path takes
+    requests of up to this many query rows (1 + the speculative tokens, so a verifying decode
+    shares its pages across its rows); the Pallas kernels tile any query length alike."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     platform = platform or jax.default_backend()
-    if name == "auto":
-        name = "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"
-    if name == "xla":
-        return AttentionBackend("xla", _xla_kernel(decode_rows), mesh)
+    if name == "auto" and platform in ("tpu", "gpu", "cuda", "rocm"):
+        name = "pallas"
+    elif name == "auto":
+        name = "cpu" if cpu_decode_attention.available() else "xla"
+    if name == "cpu" and platform != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on the CPU only, this is {platform!r}")
+    if name == "cpu" and not cpu_decode_attention.available():
+        raise ValueError("attention_backend 'cpu' needs its native kernel, which did not build "
+                         "here (a C++ compiler is required; see the log); use 'xla'")
+    if name in ("xla", "cpu"):
+        return AttentionBackend(name, _xla_kernel(decode_rows, name == "cpu"), mesh)
     if name == "pallas" and platform not in ("tpu", "gpu", "cuda", "rocm"):
         raise ValueError(f"attention_backend 'pallas' needs a TPU or GPU, this is {platform!r}; "
                          "use 'pallas_interpret' or 'xla'")

@@ -1,5 +1,6 @@
-"""Interpret-mode numerics of the TPU and GPU ragged paged-attention kernels against the `xla`
-backend (pallas_kernels/xla_attention.py, itself checked against the plain oracle).
+"""Interpret-mode numerics of the TPU and GPU ragged paged-attention kernels, and the `cpu`
+backend's native decode kernel, against the `xla` backend (pallas_kernels/xla_attention.py,
+itself checked against the plain oracle).
 
 Every (kernel, config) pair compiles once: shapes are fixed per config and hypothesis varies only
 the data (query/KV lengths, which blocks are shared, padding). Tolerances, max |kernel - ref| over
@@ -38,7 +39,10 @@ MAX_KV = PAGES_PER_SEQ * BLOCK_SIZE
 TOLERANCE = {"float32": (1e-5, 0.0), "bfloat16": (1.6e-2, 1e-2)}  # (atol, rtol)
 
 KERNELS: dict[str, Callable[..., jax.Array]] = {
-    "tpu": ragged_paged_attention_tpu, "gpu": ragged_paged_attention_gpu}
+    "tpu": functools.partial(ragged_paged_attention_tpu, interpret=True),
+    "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
+    # the `cpu` backend: the reference with its decodes in the native kernel
+    "cpu": functools.partial(ragged_paged_attention_xla, native_decodes=True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +133,8 @@ def compiled(kernel: str, name: str) -> Callable[..., jax.Array]:
               soft_cap=cfg.soft_cap)
     if kernel == "reference":
         return jax.jit(functools.partial(ragged_paged_attention_xla, **kw))
-    tiles = dict(cfg.tpu_tiles if kernel == "tpu" else cfg.gpu_tiles)
-    return jax.jit(functools.partial(KERNELS[kernel], interpret=True, **kw, **tiles))
+    tiles = dict({"tpu": cfg.tpu_tiles, "gpu": cfg.gpu_tiles}.get(kernel, ()))
+    return jax.jit(functools.partial(KERNELS[kernel], **kw, **tiles))
 
 
 def max_error(out: jax.Array, ref: jax.Array, n: int, dtype: str) -> float:
@@ -165,6 +169,9 @@ def test_kernel_reads_only_the_visible_kv_of_its_layer(kernel: str) -> None:
     name = "f32-d64-g1"
     cfg = CONFIGS[name]
     batch: Batch = (((1, 37, False), (7, 21, False), (10, 10, False), (1, 128, False)), 4)
+    if kernel == "cpu":  # decodes only: its tiles are the xla backend's, whose masked
+        # probabilities (zeros) still multiply whatever V holds there
+        batch = (((1, 37, False), (1, 21, False), (1, 10, False), (1, 128, False)), 4)
     inputs = make_inputs(cfg, batch)
     clean = compiled(kernel, name)(*inputs.args)
     q, k, v, layer, seq_lens, tables, qsl = inputs.args

@@ -60,6 +60,15 @@ def test_requests_of_up_to_decode_rows_rows_attend_as_decodes(decode_rows, windo
                                  decode_rows=decode_rows)
 
 
+@pytest.mark.parametrize("decode_rows", [1, 5])
+@pytest.mark.parametrize("window,cap", [(None, None), (6, None), (None, 5.0)])
+def test_native_cpu_decodes_match_the_oracle(decode_rows, window, cap):
+    """The `cpu` backend: decodes (and decodes with up to decode_rows - 1 drafts) in the native
+    kernel, the other requests in the tiles, padding rows zero."""
+    for case in CASES:
+        check_against_oracle(case, window, cap, 8, decode_rows=decode_rows, native_decodes=True)
+
+
 def test_as_many_requests_as_rows_with_multi_row_requests():
     """Padding requests can make R equal T while some requests have several rows."""
     check_against_oracle("chunks_and_padding_rows", None, None, 8, pad_requests=28,
@@ -67,7 +76,7 @@ def test_as_many_requests_as_rows_with_multi_row_requests():
 
 
 def check_against_oracle(case, window, cap, items_per_iter, decode_chunk_bytes=1 << 20,
-                         pad_requests=2, pad_rows=5, decode_rows=1):
+                         pad_requests=2, pad_rows=5, decode_rows=1, native_decodes=False):
     q_lens, kv_lens = CASES[case]
     rng = np.random.default_rng(0)
     k_cache = rng.standard_normal((L, HKV, NB, BS, D)).astype(np.float32)
@@ -86,7 +95,8 @@ def check_against_oracle(case, window, cap, items_per_iter, decode_chunk_bytes=1
                                  jnp.asarray(qsl), sm_scale=D ** -0.5, sliding_window=window,
                                  soft_cap=cap, kv_chunk_tokens=16,
                                  items_per_iter=items_per_iter,
-                                 decode_chunk_bytes=decode_chunk_bytes, decode_rows=decode_rows)
+                                 decode_chunk_bytes=decode_chunk_bytes, decode_rows=decode_rows,
+                                 native_decodes=native_decodes)
     out = np.asarray(out)
     ref = oracle.ragged_paged_attention(q, k_cache, v_cache, 1, seq_lens, tables, qsl,
                                         sm_scale=D ** -0.5, sliding_window=window, soft_cap=cap)

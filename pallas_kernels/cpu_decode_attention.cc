@@ -1,0 +1,209 @@
+// Paged attention of decode rows on CPU, as an XLA FFI handler (see cpu_decode_attention.py).
+//
+// XLA:CPU runs the small batched dots of a decode at ~1 GB/s of KV; this reads each
+// (request, KV head)'s pages once, straight from the paged cache, for all of its query rows
+// (the G query heads of the group times up to max_rows rows of a verifying decode).
+// Same semantics as xla_attention._attend_decodes: requests of 1..max_rows query rows, each
+// row masked to its own causal end (and window); other rows of the output are zero.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kMaskValue = -1e30f;  // the running max before any visible position
+
+// A page of the cache as floats: f32 pages are read in place, bf16 ones widened into `buf`.
+inline const float* PageAsFloat(const float* page, int64_t, std::vector<float>&) { return page; }
+inline const float* PageAsFloat(const uint16_t* page, int64_t size, std::vector<float>& buf) {
+  buf.resize(size);
+  for (int64_t j = 0; j < size; ++j) {  // bfloat16 is the high half of a float
+    const uint32_t bits = static_cast<uint32_t>(page[j]) << 16;
+    std::memcpy(&buf[j], &bits, sizeof(float));
+  }
+  return buf.data();
+}
+
+struct Shape {
+  int64_t T, Hq, D, Hkv, NB, BS, R, P, G;
+};
+
+struct Params {
+  float sm_scale, soft_cap;  // soft_cap 0: none
+  int64_t window, max_rows;  // window 0: none
+  int32_t layer;
+};
+
+// One (request, KV head): rows n = q_len * G, row i = (query row i / G, head h * G + i % G).
+template <typename KV>
+void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cache,
+                const KV* v_cache, const int32_t* seq_lens, const int32_t* block_tables,
+                const int32_t* query_start_loc, int64_t r, int64_t h, float* out) {
+  const int64_t D = s.D, BS = s.BS, G = s.G;
+  const int64_t q_start = query_start_loc[r];
+  const int64_t q_len = query_start_loc[r + 1] - q_start;
+  const int64_t n = q_len * G;
+  std::vector<float> qv(n * D), acc(n * D, 0.f), m(n, kMaskValue), l(n, 0.f), sc(n * BS);
+  std::vector<int64_t> hi(n), lo(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = i / G;
+    const float* src = q + ((q_start + row) * s.Hq + h * G + i % G) * D;
+    for (int64_t d = 0; d < D; ++d) qv[i * D + d] = src[d] * p.sm_scale;
+    hi[i] = seq_lens[r] - q_len + 1 + row;  // the KV this row sees ends here (exclusive)
+    lo[i] = p.window > 0 ? std::max<int64_t>(hi[i] - p.window, 0) : 0;
+  }
+  const int64_t first = *std::min_element(lo.begin(), lo.end());
+  const int64_t last = *std::max_element(hi.begin(), hi.end());
+  const int64_t head_base = (static_cast<int64_t>(p.layer) * s.Hkv + h) * s.NB;
+  std::vector<float> k_buf, v_buf;
+  for (int64_t page = first / BS; page * BS < last; ++page) {
+    const int64_t block = block_tables[r * s.P + page];
+    const float* kp = PageAsFloat(k_cache + (head_base + block) * BS * D, BS * D, k_buf);
+    const float* vp = PageAsFloat(v_cache + (head_base + block) * BS * D, BS * D, v_buf);
+    const int64_t pos0 = page * BS;
+    for (int64_t i = 0; i < n; ++i) {
+      // The row sees positions [t0, t1) of this page: nothing else of it is read, so slots
+      // past seq_len and outside the window may hold anything.
+      const int64_t t0 = std::max<int64_t>(lo[i] - pos0, 0);
+      const int64_t t1 = std::min<int64_t>(hi[i] - pos0, BS);
+      if (t0 >= t1) continue;
+      float* si = &sc[i * BS];
+      const float* qi = &qv[i * D];
+      float m_page = kMaskValue;
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* kt = kp + t * D;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += qi[d] * kt[d];
+        if (p.soft_cap > 0.f) dot = p.soft_cap * std::tanh(dot / p.soft_cap);
+        si[t] = dot;
+        m_page = std::max(m_page, dot);
+      }
+      const float m_new = std::max(m[i], m_page);
+      const float scale = std::exp(m[i] - m_new);
+      float sum = 0.f;
+      for (int64_t t = t0; t < t1; ++t) {
+        si[t] = std::exp(si[t] - m_new);
+        sum += si[t];
+      }
+      float* ai = &acc[i * D];
+      for (int64_t d = 0; d < D; ++d) ai[d] *= scale;
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* vt = vp + t * D;
+        for (int64_t d = 0; d < D; ++d) ai[d] += si[t] * vt[d];
+      }
+      l[i] = l[i] * scale + sum;
+      m[i] = m_new;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    float* dst = out + ((q_start + i / G) * s.Hq + h * G + i % G) * D;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv;
+  }
+}
+
+// Runs work(item) for item in [0, count) on the caller and the pool's threads: each takes the
+// next item from a shared counter, and the caller returns once every item is done. A task that
+// starts after the caller took the last item finds none, so nothing waits on a busy pool.
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t count, F work) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    int64_t done = 0;
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto state = std::make_shared<State>();
+  auto run = [state, count, work] {
+    int64_t finished = 0;
+    for (int64_t i; (i = state->next.fetch_add(1)) < count; ++finished) work(i);
+    if (finished == 0) return;
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->done += finished;
+    if (state->done == count) state->cv.notify_all();
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(run)(run));
+  run();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->done == count; });
+}
+
+template <typename KV>
+void Attend(const Shape& s, const Params& p, const float* q, const void* k_cache,
+            const void* v_cache, const int32_t* seq_lens, const int32_t* block_tables,
+            const int32_t* query_start_loc, float* out, ffi::ThreadPool& pool) {
+  std::memset(out, 0, sizeof(float) * s.T * s.Hq * s.D);
+  std::vector<int64_t> decodes;
+  for (int64_t r = 0; r < s.R; ++r) {
+    const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
+    if (q_len >= 1 && q_len <= p.max_rows) decodes.push_back(r);
+  }
+  const int64_t count = static_cast<int64_t>(decodes.size()) * s.Hkv;
+  if (count == 0) return;
+  ParallelFor(pool, count, [&, k = static_cast<const KV*>(k_cache),
+                            v = static_cast<const KV*>(v_cache)](int64_t item) {
+    AttendItem<KV>(s, p, q, k, v, seq_lens, block_tables, query_start_loc,
+                   decodes[item / s.Hkv], item % s.Hkv, out);
+  });
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                           ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
+                           ffi::Buffer<ffi::S32> query_start_loc,
+                           ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
+                           int64_t window, int64_t max_rows) {
+  const auto qd = q.dimensions();
+  const auto kd = k_cache.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || k_cache.element_type() != v_cache.element_type()) {
+    return ffi::Error::InvalidArgument("decode attention: q [T, Hq, D], caches [L, Hkv, NB, BS, D]");
+  }
+  const auto td = block_tables.dimensions();
+  Shape s{qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], td[0], td[1], qd[1] / kd[1]};
+  Params p{sm_scale, soft_cap, window, max_rows, layer.typed_data()[0]};
+  const auto* lens = seq_lens.typed_data();
+  const auto* tables = block_tables.typed_data();
+  const auto* starts = query_start_loc.typed_data();
+  switch (k_cache.element_type()) {
+    case ffi::F32:
+      Attend<float>(s, p, q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), lens,
+                    tables, starts, out->typed_data(), pool);
+      return ffi::Error::Success();
+    case ffi::BF16:
+      Attend<uint16_t>(s, p, q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(),
+                       lens, tables, starts, out->typed_data(), pool);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("decode attention: KV cache must be f32 or bf16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T, Hq, D]
+                                  .Arg<ffi::AnyBuffer>()          // k_cache [L, Hkv, NB, BS, D]
+                                  .Arg<ffi::AnyBuffer>()          // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens [R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [R, P]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc [R + 1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [T, Hq, D]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("max_rows"));
