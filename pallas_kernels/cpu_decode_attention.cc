@@ -69,6 +69,13 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   std::vector<float> k_buf, v_buf;
   for (int64_t page = first / BS; page * BS < last; ++page) {
     const int64_t block = block_tables[r * s.P + page];
+    if ((page + 1) * BS < last) {  // the next page is elsewhere: start reading it now
+      const int64_t next = (head_base + block_tables[r * s.P + page + 1]) * BS * D;
+      for (int64_t j = 0; j < BS * D * static_cast<int64_t>(sizeof(KV)); j += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next) + j);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next) + j);
+      }
+    }
     const float* kp = PageAsFloat(k_cache + (head_base + block) * BS * D, BS * D, k_buf);
     const float* vp = PageAsFloat(v_cache + (head_base + block) * BS * D, BS * D, v_buf);
     const int64_t pos0 = page * BS;

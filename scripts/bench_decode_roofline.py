@@ -8,7 +8,11 @@ read) over arrays far larger than the caches. Compute: 2 FLOPs per weight per to
 attention's 4 x heads x head_dim x context per layer and token, at the GFLOP/s of a large jitted
 float32 matmul.
 
+Each attention backend (`--backends`, default the CPU's two: `cpu`, whose decodes run in the
+native kernel, and the pure-JAX `xla`) gets its own engine, measured in the same run.
+
     python scripts/bench_decode_roofline.py [--batches 1,8,32,64] [--contexts 128,512]
+        [--backends cpu,xla]
 """
 
 from __future__ import annotations
@@ -66,62 +70,72 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--contexts", default="128,512")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--backends", default="cpu,xla")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-
-    blocks_per_seq = -(-(max(contexts) + 2 * args.steps + 16) // 16)
-    engine = make_engine(DUMMY_CONFIG_DIR, load_format="dummy", dtype="float32",
-                         max_model_len=1024, block_size=16,
-                         num_kv_blocks=max(batches) * blocks_per_seq + 1,
-                         max_num_seqs=max(batches), max_num_batched_tokens=512,
-                         token_buckets=sorted({*batches, 512}), request_buckets=batches,
-                         enable_prefix_caching=False, precompile=True)
-    cfg = engine.core.model_config
-    params = engine.core.executor.worker.loaded.params
-    weight_bytes = sum(v.nbytes for k, v in params.items() if k != "embed")
-    embed_row_bytes = params["embed"].nbytes // cfg.vocab_size
-    kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     bandwidth = measure_bandwidth()
     gbps = max(bandwidth.values())
     gflops = measure_matmul_gflops()
-    flops_per_token = 2 * sum(v.size for k, v in params.items() if k != "embed")
-
     rows = []
-    for ctx in contexts:
-        for b in batches:
-            ids = fill_decoding(engine, b, ctx, cfg.vocab_size, prefix=f"b{b}c{ctx}-")
-            timed_steps_ms(engine, 1)
-            step_ms = timed_steps_ms(engine, args.steps)["step"]
-            device_ms = device_only_ms(engine)
-            kv_bytes = b * (ctx + 2 + args.steps // 2) * kv_token_bytes
-            moved = weight_bytes + b * embed_row_bytes + kv_bytes
-            bound_ms = moved / (gbps * 1e9) * 1e3
-            attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
-            compute_ms = b * (flops_per_token + attn_flops) / (gflops * 1e9) * 1e3
-            roof = max(bound_ms, compute_ms)
-            rows.append([b, ctx, step_ms, device_ms, weight_bytes / 2**20, kv_bytes / 2**20,
-                         bound_ms, compute_ms, f"{100 * bound_ms / device_ms:.0f}%",
-                         f"{100 * roof / device_ms:.0f}%", f"{100 * roof / step_ms:.0f}%"])
-            engine.abort_request(ids)
-            engine.step()
+    for backend in args.backends.split(","):
+        rows += measure_backend(backend, batches, contexts, args.steps, gbps, gflops)
 
-    body = ("dummy ~30M Llama (8 layers, hidden 512, 4 KV heads x 64, vocab 8192), float32, xla "
-            "attention backend. Memory bandwidth: "
+    body = ("dummy ~30M Llama (8 layers, hidden 512, 4 KV heads x 64, vocab 8192), float32. "
+            "Memory bandwidth: "
             + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items())
             + f"; the bound uses {gbps:.1f} GB/s. Matmul: {gflops:.0f} GFLOP/s (jitted "
             "1024x1024 float32).\n\n"
-            + markdown_table(["batch", "context", "engine step ms", "device-only ms",
-                              "weights MiB", "KV MiB", "memory bound ms", "compute bound ms",
-                              "memory bound / device-only", "roofline / device-only",
-                              "roofline / step"], rows)
+            + markdown_table(["attention backend", "batch", "context", "engine step ms",
+                              "device-only ms", "weights MiB", "KV MiB", "memory bound ms",
+                              "compute bound ms", "memory bound / device-only",
+                              "roofline / device-only", "roofline / step"], rows)
             + "\n\nmemory bound = (weights + the batch's embedding rows + KV of every sequence) "
             "/ bandwidth; compute bound = FLOPs / matmul rate; roofline = the larger; "
             "device-only = the jitted step replayed on inputs already on the device (best of 5, "
             "ModelRunner.time_last_step); engine step "
             "= the whole LLMEngine.step (host work included). A percentage is the share of the "
-            "bound reached (100% = at the bound).")
+            "bound reached (100% = at the bound). `cpu`: decodes in the native kernel "
+            "(pallas_kernels/cpu_decode_attention.cc); `xla`: all attention in XLA.")
     write_result("bench_decode_roofline", "Decode step against the memory-bandwidth bound", body)
+
+
+def measure_backend(backend: str, batches: list[int], contexts: list[int], steps: int,
+                    gbps: float, gflops: float) -> list[list[object]]:
+    blocks_per_seq = -(-(max(contexts) + 2 * steps + 16) // 16)
+    engine = make_engine(DUMMY_CONFIG_DIR, load_format="dummy", dtype="float32",
+                         max_model_len=1024, block_size=16,
+                         num_kv_blocks=max(batches) * blocks_per_seq + 1,
+                         max_num_seqs=max(batches), max_num_batched_tokens=512,
+                         token_buckets=sorted({*batches, 512}), request_buckets=batches,
+                         enable_prefix_caching=False, precompile=True,
+                         attention_backend=backend)
+    cfg = engine.core.model_config
+    params = engine.core.executor.worker.loaded.params
+    weight_bytes = sum(v.nbytes for k, v in params.items() if k != "embed")
+    embed_row_bytes = params["embed"].nbytes // cfg.vocab_size
+    kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    flops_per_token = 2 * sum(v.size for k, v in params.items() if k != "embed")
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            ids = fill_decoding(engine, b, ctx, cfg.vocab_size, prefix=f"b{b}c{ctx}-")
+            timed_steps_ms(engine, 1)
+            step_ms = timed_steps_ms(engine, steps)["step"]
+            device_ms = device_only_ms(engine)
+            kv_bytes = b * (ctx + 2 + steps // 2) * kv_token_bytes
+            moved = weight_bytes + b * embed_row_bytes + kv_bytes
+            bound_ms = moved / (gbps * 1e9) * 1e3
+            attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
+            compute_ms = b * (flops_per_token + attn_flops) / (gflops * 1e9) * 1e3
+            roof = max(bound_ms, compute_ms)
+            rows.append([backend, b, ctx, step_ms, device_ms, weight_bytes / 2**20,
+                         kv_bytes / 2**20, bound_ms, compute_ms,
+                         f"{100 * bound_ms / device_ms:.0f}%",
+                         f"{100 * roof / device_ms:.0f}%", f"{100 * roof / step_ms:.0f}%"])
+            engine.abort_request(ids)
+            engine.step()
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""Building the native CPU decode kernel, and the backend choice when it cannot be built. Its
+numerics are checked with the other kernels (test_xla_attention.py against the oracle,
+test_ragged_paged_attention.py against the `xla` backend, bf16 caches and poisoned KV
+included) and in every CPU engine test, whose default backend it is."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.layers.attention import get_attention_backend
+from pallas_kernels import cpu_decode_attention
+
+
+def test_a_failed_build_raises_with_the_command_and_leaves_no_library(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    with pytest.raises(RuntimeError, match="building cpu_decode_attention.cc failed: false "):
+        cpu_decode_attention._build()
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_a_build_is_cached_by_source_and_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    lib = cpu_decode_attention._build()
+    assert lib.parent == tmp_path and lib.stat().st_size > 0
+    mtime = lib.stat().st_mtime_ns
+    assert cpu_decode_attention._build() == lib and lib.stat().st_mtime_ns == mtime
+
+
+def test_without_the_native_kernel_auto_is_xla_and_cpu_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_decode_attention, "available", lambda: False)
+    assert get_attention_backend("auto", "cpu").name == "xla"
+    with pytest.raises(ValueError, match="attention_backend 'cpu' needs its native kernel"):
+        get_attention_backend("cpu", "cpu")
