@@ -46,11 +46,13 @@ struct Params {
 };
 
 // One (request, KV head): rows n = q_len * G, row i = (query row i / G, head h * G + i % G).
-template <typename KV>
+// kD > 0: the head dim fixed at compile time, so the dots unroll into independent chains
+// (~2x faster than a loop of runtime length); 0: any head dim.
+template <typename KV, int kD>
 void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cache,
                 const KV* v_cache, const int32_t* seq_lens, const int32_t* block_tables,
                 const int32_t* query_start_loc, int64_t r, int64_t h, float* out) {
-  const int64_t D = s.D, BS = s.BS, G = s.G;
+  const int64_t D = kD > 0 ? kD : s.D, BS = s.BS, G = s.G;
   const int64_t q_start = query_start_loc[r];
   const int64_t q_len = query_start_loc[r + 1] - q_start;
   const int64_t n = q_len * G;
@@ -64,13 +66,18 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
     lo[i] = p.window > 0 ? std::max<int64_t>(hi[i] - p.window, 0) : 0;
   }
   const int64_t first = *std::min_element(lo.begin(), lo.end());
-  const int64_t last = *std::max_element(hi.begin(), hi.end());
+  // Indices are clamped into range as XLA's gathers clamp them: bad metadata reads the wrong
+  // KV, never outside the cache.
+  const int64_t last = std::min(*std::max_element(hi.begin(), hi.end()), s.P * BS);
   const int64_t head_base = (static_cast<int64_t>(p.layer) * s.Hkv + h) * s.NB;
+  const auto block_of = [&](int64_t page) {
+    return std::clamp<int64_t>(block_tables[r * s.P + page], 0, s.NB - 1);
+  };
   std::vector<float> k_buf, v_buf;
   for (int64_t page = first / BS; page * BS < last; ++page) {
-    const int64_t block = block_tables[r * s.P + page];
+    const int64_t block = block_of(page);
     if ((page + 1) * BS < last) {  // the next page is elsewhere: start reading it now
-      const int64_t next = (head_base + block_tables[r * s.P + page + 1]) * BS * D;
+      const int64_t next = (head_base + block_of(page + 1)) * BS * D;
       for (int64_t j = 0; j < BS * D * static_cast<int64_t>(sizeof(KV)); j += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next) + j);
         __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next) + j);
@@ -88,13 +95,30 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
       float* si = &sc[i * BS];
       const float* qi = &qv[i * D];
       float m_page = kMaskValue;
-      for (int64_t t = t0; t < t1; ++t) {
+      int64_t t = t0;
+      for (; t + 4 <= t1; t += 4) {  // four independent sums keep the FMA units busy
+        const float* kt = kp + t * D;
+        float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+          d0 += qi[d] * kt[d];
+          d1 += qi[d] * kt[D + d];
+          d2 += qi[d] * kt[2 * D + d];
+          d3 += qi[d] * kt[3 * D + d];
+        }
+        si[t] = d0;
+        si[t + 1] = d1;
+        si[t + 2] = d2;
+        si[t + 3] = d3;
+      }
+      for (; t < t1; ++t) {
         const float* kt = kp + t * D;
         float dot = 0.f;
         for (int64_t d = 0; d < D; ++d) dot += qi[d] * kt[d];
-        if (p.soft_cap > 0.f) dot = p.soft_cap * std::tanh(dot / p.soft_cap);
         si[t] = dot;
-        m_page = std::max(m_page, dot);
+      }
+      for (t = t0; t < t1; ++t) {
+        if (p.soft_cap > 0.f) si[t] = p.soft_cap * std::tanh(si[t] / p.soft_cap);
+        m_page = std::max(m_page, si[t]);
       }
       const float m_new = std::max(m[i], m_page);
       const float scale = std::exp(m[i] - m_new);
@@ -103,11 +127,12 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
         si[t] = std::exp(si[t] - m_new);
         sum += si[t];
       }
-      float* ai = &acc[i * D];
+      float* __restrict__ ai = &acc[i * D];  // restrict: kept in registers across t
       for (int64_t d = 0; d < D; ++d) ai[d] *= scale;
       for (int64_t t = t0; t < t1; ++t) {
-        const float* vt = vp + t * D;
-        for (int64_t d = 0; d < D; ++d) ai[d] += si[t] * vt[d];
+        const float* __restrict__ vt = vp + t * D;
+        const float pt = si[t];
+        for (int64_t d = 0; d < D; ++d) ai[d] += pt * vt[d];
       }
       l[i] = l[i] * scale + sum;
       m[i] = m_new;
@@ -159,10 +184,13 @@ void Attend(const Shape& s, const Params& p, const float* q, const void* k_cache
   }
   const int64_t count = static_cast<int64_t>(decodes.size()) * s.Hkv;
   if (count == 0) return;
-  ParallelFor(pool, count, [&, k = static_cast<const KV*>(k_cache),
-                            v = static_cast<const KV*>(v_cache)](int64_t item) {
-    AttendItem<KV>(s, p, q, k, v, seq_lens, block_tables, query_start_loc,
-                   decodes[item / s.Hkv], item % s.Hkv, out);
+  const auto* k = static_cast<const KV*>(k_cache);
+  const auto* v = static_cast<const KV*>(v_cache);
+  const auto item_fn = s.D == 64 ? AttendItem<KV, 64> : s.D == 128 ? AttendItem<KV, 128>
+                                                                    : AttendItem<KV, 0>;
+  ParallelFor(pool, count, [&](int64_t item) {
+    item_fn(s, p, q, k, v, seq_lens, block_tables, query_start_loc, decodes[item / s.Hkv],
+            item % s.Hkv, out);
   });
 }
 
@@ -179,7 +207,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   }
   const auto td = block_tables.dimensions();
   Shape s{qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], td[0], td[1], qd[1] / kd[1]};
-  Params p{sm_scale, soft_cap, window, max_rows, layer.typed_data()[0]};
+  const int32_t layer_index = std::clamp<int32_t>(layer.typed_data()[0], 0, kd[0] - 1);
+  Params p{sm_scale, soft_cap, window, max_rows, layer_index};
   const auto* lens = seq_lens.typed_data();
   const auto* tables = block_tables.typed_data();
   const auto* starts = query_start_loc.typed_data();

@@ -3,7 +3,7 @@ through the XLA FFI. XLA:CPU runs the decode path's small batched dots at a few 
 kernel reads each (request, KV head)'s pages once from the paged cache, for all of its rows.
 
 The source is compiled with the machine's C++ compiler on first use, against the headers jaxlib
-ships, and cached by the hash of source, flags and jaxlib version
+ships, and cached by the hash of source, flags, compiler, jaxlib version and CPU features
 (`$JAXSERVE_KERNEL_CACHE`, default `~/.cache/jaxserve/kernels`). `available()` says whether it
 built; callers fall back to the pure-JAX path when it did not."""
 
@@ -14,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -38,12 +39,23 @@ def _cache_dir() -> Path:
                                Path.home() / ".cache" / "jaxserve" / "kernels"))
 
 
+def _cpu_features() -> bytes:
+    """The CPU's instruction sets (-march=native builds for them): a cache shared between
+    machines keeps one library per kind of CPU."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return platform.processor().encode()
+
+
 def _build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on this machine")
     key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(),
-                                     compiler.encode(), jaxlib.__version__.encode()]))
+                                     compiler.encode(), jaxlib.__version__.encode(),
+                                     _cpu_features()]))
     lib = _cache_dir() / f"cpu_decode_attention-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
