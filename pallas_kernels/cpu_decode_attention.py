@@ -29,9 +29,11 @@ logger = logging.getLogger(__name__)
 
 TARGET = "jaxserve_cpu_decode_attention"
 _SOURCE = Path(__file__).with_name("cpu_decode_attention.cc")
-# -ffast-math lets the compiler vectorise the dot products' sums (reassociation); the kernel
-# masks with a finite value, never inf or NaN.
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
+# Reassociation lets the compiler vectorise the dot products' sums. Not -ffast-math: linking
+# with it adds crtfastmath, whose constructor turns on flush-to-zero and denormals-are-zero for
+# the whole process once the library loads (numpy's and XLA's arithmetic included).
+_FLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros",
+          "-fno-trapping-math", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 
 
 def _cache_dir() -> Path:

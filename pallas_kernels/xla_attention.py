@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_decode_attention
+from pallas_kernels.cpu_decode_attention import attend_decodes as native_attend_decodes
 
 _MASK_VALUE = -1e30  # finite, so fully masked rows (padding) give 0 instead of NaN
 # A decode iteration gathers every decode's next pages: about this many bytes of K (V as many
@@ -92,7 +92,7 @@ def ragged_paged_attention(
                                chunk_bytes=decode_chunk_bytes)
 
     if native_decodes:
-        out = cpu_decode_attention.attend_decodes(
+        out = native_attend_decodes(
             q, k_cache, v_cache, layer, seq_lens, block_tables, query_start_loc,
             max_rows=decode_rows, sm_scale=sm_scale, sliding_window=sliding_window,
             soft_cap=soft_cap)

@@ -5,6 +5,7 @@ included) and in every CPU engine test, whose default backend it is."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxserve.layers.attention import get_attention_backend
@@ -25,6 +26,14 @@ def test_a_build_is_cached_by_source_and_flags(tmp_path, monkeypatch):
     assert lib.parent == tmp_path and lib.stat().st_size > 0
     mtime = lib.stat().st_mtime_ns
     assert cpu_decode_attention._build() == lib and lib.stat().st_mtime_ns == mtime
+
+
+def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
+    """A library linked with -ffast-math sets flush-to-zero / denormals-are-zero for the whole
+    process when it loads: subnormals would then read as zero everywhere."""
+    assert cpu_decode_attention.available()
+    tiny = np.float32(1e-40)  # subnormal; under DAZ it reads as 0 (compared with itself too)
+    assert float(tiny * np.float32(2.0)) > 0.0
 
 
 def test_without_the_native_kernel_auto_is_xla_and_cpu_is_refused(monkeypatch):
