@@ -7,15 +7,12 @@
 // row masked to its own causal end (and window); other rows of the output are zero.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "cpu_parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -145,33 +142,6 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   }
 }
 
-// Runs work(item) for item in [0, count) on the caller and the pool's threads: each takes the
-// next item from a shared counter, and the caller returns once every item is done. A task that
-// starts after the caller took the last item finds none, so nothing waits on a busy pool.
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t count, F work) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    int64_t done = 0;
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto state = std::make_shared<State>();
-  auto run = [state, count, work] {
-    int64_t finished = 0;
-    for (int64_t i; (i = state->next.fetch_add(1)) < count; ++finished) work(i);
-    if (finished == 0) return;
-    std::lock_guard<std::mutex> lock(state->mu);
-    state->done += finished;
-    if (state->done == count) state->cv.notify_all();
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(run)(run));
-  run();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->done == count; });
-}
-
 template <typename KV>
 void Attend(const Shape& s, const Params& p, const float* q, const void* k_cache,
             const void* v_cache, const int32_t* seq_lens, const int32_t* block_tables,
@@ -188,7 +158,7 @@ void Attend(const Shape& s, const Params& p, const float* q, const void* k_cache
   const auto* v = static_cast<const KV*>(v_cache);
   const auto item_fn = s.D == 64 ? AttendItem<KV, 64> : s.D == 128 ? AttendItem<KV, 128>
                                                                     : AttendItem<KV, 0>;
-  ParallelFor(pool, count, [&](int64_t item) {
+  jaxserve::ParallelFor(pool, count, [&](int64_t item) {
     item_fn(s, p, q, k, v, seq_lens, block_tables, query_start_loc, decodes[item / s.Hkv],
             item % s.Hkv, out);
   });

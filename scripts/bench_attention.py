@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import (
-    cpu_decode_attention,
+    cpu_native,
     ragged_paged_attention_gpu,
     ragged_paged_attention_tpu,
     ragged_paged_attention_xla,
@@ -117,7 +117,7 @@ def backends(platform: str) -> dict[str, Callable[..., jax.Array]]:
     elif platform == "gpu":
         found["pallas gpu (triton)"] = ragged_paged_attention_gpu
     else:
-        if cpu_decode_attention.available():
+        if cpu_native.available():
             found["cpu (native decodes)"] = functools.partial(ragged_paged_attention_xla,
                                                               native_decodes=True)
         found["pallas tpu (interpret)"] = functools.partial(ragged_paged_attention_tpu,

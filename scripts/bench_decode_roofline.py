@@ -8,8 +8,9 @@ read) over arrays far larger than the caches. Compute: 2 FLOPs per weight per to
 attention's 4 x heads x head_dim x context per layer and token, at the GFLOP/s of a large jitted
 float32 matmul.
 
-Each attention backend (`--backends`, default the CPU's two: `cpu`, whose decodes run in the
-native kernel, and the pure-JAX `xla`) gets its own engine, measured in the same run.
+Each attention backend (`--backends`, default the CPU's two: `cpu`, whose decodes and dense
+layers run in the native kernels, and the pure-JAX `xla`) gets its own engine, measured in the
+same run.
 
     python scripts/bench_decode_roofline.py [--batches 1,8,32,64] [--contexts 128,512]
         [--backends cpu,xla]
@@ -95,8 +96,9 @@ def main() -> None:
             "device-only = the jitted step replayed on inputs already on the device (best of 5, "
             "ModelRunner.time_last_step); engine step "
             "= the whole LLMEngine.step (host work included). A percentage is the share of the "
-            "bound reached (100% = at the bound). `cpu`: decodes in the native kernel "
-            "(pallas_kernels/cpu_decode_attention.cc); `xla`: all attention in XLA.")
+            "bound reached (100% = at the bound). `cpu`: decodes and dense layers in the native "
+            "kernels (pallas_kernels/cpu_decode_attention.cc, cpu_matmul.cc); `xla`: all in "
+            "XLA.")
     write_result("bench_decode_roofline", "Decode step against the memory-bandwidth bound", body)
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxserve.layers.rotary import apply_rotary, inverse_frequencies
+from jaxserve.layers.rotary import apply_rotary, inverse_frequencies, rotary_angles
 from jaxserve.models.llama import LAYER_PARAMS, rms_norm
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
 
@@ -162,13 +162,14 @@ def forward(params: dict[str, jax.Array], ids: jax.Array, cfg: LlamaConfig) -> j
     H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     positions = jnp.arange(T, dtype=jnp.int32)
     inv_freq = jnp.asarray(inverse_frequencies(Dh, cfg.rope_theta))
+    angles = rotary_angles(jnp.tile(positions, B), inv_freq)
     causal = jnp.tril(jnp.ones((T, T), bool))
     x = params["embed"][ids]  # [B, T, D]
 
     def layer(x: jax.Array, w: dict[str, jax.Array]) -> tuple[jax.Array, None]:
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        q = apply_rotary((h @ w["wq"]).reshape(B * T, H, Dh), jnp.tile(positions, B), inv_freq)
-        k = apply_rotary((h @ w["wk"]).reshape(B * T, K, Dh), jnp.tile(positions, B), inv_freq)
+        q = apply_rotary((h @ w["wq"]).reshape(B * T, H, Dh), angles)
+        k = apply_rotary((h @ w["wk"]).reshape(B * T, K, Dh), angles)
         q = q.reshape(B, T, K, H // K, Dh)
         k = k.reshape(B, T, K, Dh)
         v = (h @ w["wv"]).reshape(B, T, K, Dh)

@@ -54,8 +54,9 @@ HELP = {
                           "\"model\": \"PATH\", \"num_speculative_tokens\": 3} "
                           "(default: off)",
     "attention_backend": "attention implementation: auto (pallas on TPU/GPU; on CPU, cpu "
-                         "where its native kernel builds, else xla), xla, cpu, pallas, or "
-                         "pallas_interpret",
+                         "where its native kernels build, else xla), xla, cpu (native decode "
+                         "attention and, for float32 on one device, dense layers), pallas, "
+                         "or pallas_interpret",
     "scan_layers": "run the layers as one lax.scan (default: on TPU/GPU, not on CPU)",
     "token_buckets": "padded step sizes to compile, in tokens (default: powers of two from 1 "
                      "to max_num_batched_tokens)",

@@ -36,6 +36,7 @@ from jaxserve.layers.attention import (
     get_attention_backend,
     validate_backend,
 )
+from jaxserve.layers.dense import uses_native_matmul
 from jaxserve.models.checkpoint_io import load_converted, read_converted_config
 from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
@@ -96,16 +97,18 @@ class Worker:
         self.model_config = cfg
         self.max_model_len = m.max_model_len or cfg.max_position_embeddings
         platform = self.mesh.devices.flat[0].platform
+        backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh,
+                                        decode_rows=1 + num_speculative_tokens(config))
+        native_matmul = uses_native_matmul(backend.name, self.mesh.size, self.dtype)
         self.model = Llama(cfg, placed, self.dtype,
-                           scan_layers=config.runner.scans_layers(platform))
+                           scan_layers=config.runner.scans_layers(platform),
+                           native_matmul=native_matmul)
         if restored:  # the model holds the arrays it needs; drop the loader's references
             self.loaded = dataclasses.replace(self.loaded, params={})
         draft = draft or load_draft(config)
         self.draft = None if draft is None else place_draft(
             draft, cfg, self.max_model_len, self.mesh, self.dtype,
-            config.runner.scans_layers(platform))
-        backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh,
-                                        decode_rows=1 + num_speculative_tokens(config))
+            config.runner.scans_layers(platform), native_matmul)
         self._validate_backend(backend, platform, cfg)
         if self.draft is not None:
             try:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.layers.axes import AXIS
-from pallas_kernels import cpu_decode_attention, xla_attention
+from pallas_kernels import cpu_native, xla_attention
 
 BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas_interpret")
 
@@ -107,10 +107,11 @@ def _pallas_kernels(kind: str, interpret: bool) -> tuple[AttendFn, WriteFn]:
 
 def get_attention_backend(name: str, platform: str | None = None, mesh: Mesh | None = None,
                           decode_rows: int = 1) -> AttentionBackend:
-    """`auto` is the Pallas kernel on TPU and GPU, and on CPU `cpu` where its native kernel
-    builds, else `xla`. `cpu` is `xla` with the decodes in a native C++ kernel (compiled on
-    first use). `pallas_interpret` runs the TPU kernel's program in Pallas interpret mode (any
-    platform, for tests). `decode_rows`: the `xla` and `cpu` backends' decode path takes
+    """`auto` is the Pallas kernel on TPU and GPU, and on CPU `cpu` where its native kernels
+    build, else `xla`. `cpu` is `xla` with the decodes in a native C++ kernel (compiled on
+    first use); the model then runs its dense layers natively too (layers/dense.py).
+    `pallas_interpret` runs the TPU kernel's program in Pallas interpret mode (any platform,
+    for tests). `decode_rows`: the `xla` and `cpu` backends' decode path takes
     requests of up to this many query rows (1 + the speculative tokens, so a verifying decode
     shares its pages across its rows); the Pallas kernels tile any query length alike."""
     if name not in BACKENDS:
@@ -119,11 +120,11 @@ def get_attention_backend(name: str, platform: str | None = None, mesh: Mesh | N
     if name == "auto" and platform in ("tpu", "gpu", "cuda", "rocm"):
         name = "pallas"
     elif name == "auto":
-        name = "cpu" if cpu_decode_attention.available() else "xla"
+        name = "cpu" if cpu_native.available() else "xla"
     if name == "cpu" and platform != "cpu":
         raise ValueError(f"attention_backend 'cpu' runs on the CPU only, this is {platform!r}")
-    if name == "cpu" and not cpu_decode_attention.available():
-        raise ValueError("attention_backend 'cpu' needs its native kernel, which did not build "
+    if name == "cpu" and not cpu_native.available():
+        raise ValueError("attention_backend 'cpu' needs its native kernels, which did not build "
                          "here (a C++ compiler is required; see the log); use 'xla'")
     if name in ("xla", "cpu"):
         return AttentionBackend(name, _xla_kernel(decode_rows, name == "cpu"), mesh)

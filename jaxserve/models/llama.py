@@ -17,10 +17,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
-from jaxserve.layers.rotary import apply_rotary, inverse_frequencies
+from jaxserve.layers.dense import DENSE_PARAMS, dense, pack
+from jaxserve.layers.rotary import apply_rotary, inverse_frequencies, rotary_angles
 from jaxserve.models.llama_config import LlamaConfig
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
@@ -37,24 +39,37 @@ class Llama(nnx.Module):
     """Holds the weights as `nnx.Param`s; `__call__` is a pure function of them."""
 
     def __init__(self, cfg: LlamaConfig, params: dict[str, Any], dtype: Any = jnp.float32,
-                 scan_layers: bool = False):
+                 scan_layers: bool = False, native_matmul: bool = False):
         """`params`: the canonical weight dict (numpy, or jax arrays already placed on their
-        shardings); the vocabulary may be padded for tensor parallelism."""
+        shardings); the vocabulary may be padded for tensor parallelism. `native_matmul`
+        (float32 on one CPU device): the dense layers' weights are packed for the native CPU
+        matmul (layers/dense.py) and run through it."""
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.scan_layers = scan_layers
+        if native_matmul and self.dtype != jnp.float32:
+            raise ValueError(f"the native CPU matmul takes float32 weights, not {self.dtype}")
+        # name -> N of each packed weight; empty: XLA's dot on the weights as loaded
+        self.dense_columns = tuple((name, params[name].shape[-1]) for name in DENSE_PARAMS
+                                   if native_matmul and name in params)
+        packed = dict(self.dense_columns)
+
+        def param(name: str, value: Any) -> nnx.Param:
+            return nnx.Param(jnp.asarray(pack(value) if name in packed else value, self.dtype))
+
         self.embed = nnx.Param(jnp.asarray(params["embed"], self.dtype))
         self.final_norm = nnx.Param(jnp.asarray(params["final_norm"], self.dtype))
-        self.lm_head = (None if cfg.tie_word_embeddings
-                        else nnx.Param(jnp.asarray(params["lm_head"], self.dtype)))
+        # An untied head [V, D] is packed as [D, V]; a tied one stays the embedding
+        self.packed_head = native_matmul and not cfg.tie_word_embeddings
+        self.lm_head = (None if cfg.tie_word_embeddings else nnx.Param(jnp.asarray(
+            pack(np.asarray(params["lm_head"]).T) if self.packed_head else params["lm_head"],
+            self.dtype)))
         names = [name for name in LAYER_PARAMS if name in params]
         if scan_layers:  # [L, ...] each
-            self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name], self.dtype))
-                                    for name in names})
+            self.layers = nnx.Dict({name: param(name, params[name]) for name in names})
         else:
             self.layers = nnx.List([
-                nnx.Dict({name: nnx.Param(jnp.asarray(params[name][i], self.dtype))
-                          for name in names})
+                nnx.Dict({name: param(name, params[name][i]) for name in names})
                 for i in range(cfg.num_layers)])
 
     def __call__(
@@ -71,10 +86,11 @@ class Llama(nnx.Module):
         x = self.embed[...][input_ids]
         inv_freq = jnp.asarray(inverse_frequencies(cfg.head_dim, cfg.rope_theta,
                                                    cfg.rope_scaling_dict))  # a constant
+        angles = rotary_angles(md.positions, inv_freq)
 
         def layer(carry: tuple[jax.Array, jax.Array, jax.Array], w: dict[str, jax.Array],
                   index: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-            return self._layer(*carry, w, index, md, backend, inv_freq)
+            return self._layer(*carry, w, index, md, backend, angles)
 
         carry = (x, k_cache, v_cache)
         if self.scan_layers:
@@ -89,11 +105,16 @@ class Llama(nnx.Module):
 
     def _layer(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                w: dict[str, jax.Array], index: int | jax.Array, md: AttentionMetadata,
-               backend: AttentionBackend, inv_freq: jax.Array,
+               backend: AttentionBackend, angles: tuple[jax.Array, jax.Array],
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
+        columns = dict(self.dense_columns)
+
+        def linear(x: jax.Array, name: str) -> jax.Array:
+            return dense(x, w[name], columns.get(name))
+
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+        q, k, v = linear(h, "wq"), linear(h, "wk"), linear(h, "wv")
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         T = x.shape[0]
@@ -103,20 +124,22 @@ class Llama(nnx.Module):
         if cfg.qk_norm:
             q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-        q = apply_rotary(q, md.positions, inv_freq)
-        k = apply_rotary(k, md.positions, inv_freq)
+        q = apply_rotary(q, angles)
+        k = apply_rotary(k, angles)
         k_cache, v_cache = backend.write(k_cache, v_cache, index, k, v, md)
         o = backend.attend(q, k_cache, v_cache, index, md, sm_scale=cfg.head_dim ** -0.5,
                            sliding_window=cfg.sliding_window)
-        x = x + o.reshape(T, -1) @ w["wo"]
+        x = x + linear(o.reshape(T, -1), "wo")
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        x = x + linear(jax.nn.silu(linear(h, "w_gate")) * linear(h, "w_up"), "w_down")
         return x, k_cache, v_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> f32[N, V]
         # The head [V, D] is vocab-major, as HF stores it and as the tied embedding is: at 32
         # decode rows XLA:CPU runs hidden @ head.T ~1.8x faster than against a [D, V] copy.
         head = (self.embed if self.lm_head is None else self.lm_head)[...]
+        if self.packed_head:
+            return dense(hidden, head, self.cfg.vocab_size)
         return (hidden @ head.T)[:, :self.cfg.vocab_size].astype(jnp.float32)
 
 

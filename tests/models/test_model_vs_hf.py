@@ -26,12 +26,12 @@ def _forward(graphdef, backend, state, ids, md, k_cache, v_cache):
 
 
 def forward_logits(path, token_ids: list[int], splits: list[int],
-                   config: LlamaConfig | None = None) -> np.ndarray:
+                   config: LlamaConfig | None = None, **model_args: bool) -> np.ndarray:
     """Logits at every position, computed in len(splits) calls that share one paged cache:
     each call reads the KV that the earlier calls wrote."""
     loaded = load_model(str(path))
     config = config or loaded.config
-    graphdef, state = nnx.split(Llama(config, loaded.params))
+    graphdef, state = nnx.split(Llama(config, loaded.params, **model_args))
     k_cache, v_cache = init_kv_cache(config, 16, BLOCK)
     table = np.arange(15, 0, -1, dtype=np.int32)[None]  # blocks out of order on purpose
     backend = get_attention_backend("xla")
@@ -70,6 +70,23 @@ def test_logits_match_hf_forward_at_every_position(hf_checkpoint, kind, tie, kv_
     ids = np.random.default_rng(1).integers(2, 320, size=70).tolist()
     ours = forward_logits(path, ids, splits=[])
     np.testing.assert_allclose(ours, hf_logits(path, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind,tie,scan_layers", [
+    ("llama", False, False), ("llama", True, True), ("qwen2", False, True),
+    ("qwen3", True, False)])
+def test_the_native_cpu_matmul_gives_hf_logits(hf_checkpoint, kind, tie, scan_layers):
+    """Every dense layer (and an untied head) through layers/dense.py's packed weights."""
+    path = hf_checkpoint(kind, tie=tie)
+    ids = np.random.default_rng(3).integers(2, 320, size=40).tolist()
+    ours = forward_logits(path, ids, splits=[17], native_matmul=True, scan_layers=scan_layers)
+    np.testing.assert_allclose(ours, hf_logits(path, ids), atol=1e-4, rtol=0)
+
+
+def test_the_native_cpu_matmul_refuses_bfloat16(hf_checkpoint):
+    loaded = load_model(str(hf_checkpoint("llama")))
+    with pytest.raises(ValueError, match="native CPU matmul takes float32 weights"):
+        Llama(loaded.config, loaded.params, jnp.bfloat16, native_matmul=True)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

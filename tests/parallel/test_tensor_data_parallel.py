@@ -20,13 +20,14 @@ def gqa8(hf_checkpoint):
     return path, prompts, hf_greedy(path, prompts, 12)
 
 
-# TP 8 spans every device (with CPU's default backend, its native decodes per device) and TP 2 x
+# TP 8 spans every device (with CPU's default backend, its native decodes per device), DP 2
+# runs the native CPU matmul on two devices (weights packed on each), and TP 2 x
 # DP 2 runs the Pallas kernels per device; the other meshes run with `pytest -m full`.
 @pytest.mark.parametrize("tp,dp,backend", [
     *(pytest.param(tp, dp, backend, marks=pytest.mark.full)
       for tp, dp, backend in [(1, 1, "xla"), (2, 1, "xla"), (4, 1, "xla"), (2, 2, "xla"),
                               (2, 4, "xla"), (8, 1, "xla"), (4, 1, "pallas_interpret")]),
-    (8, 1, "cpu"), (2, 2, "pallas_interpret")])
+    (8, 1, "cpu"), (1, 2, "cpu"), (2, 2, "pallas_interpret")])
 def test_greedy_tokens_equal_single_device(gqa8, compile_cache_dir, tp, dp, backend):
     path, prompts, expected = gqa8
     llm = LLM(str(path), tensor_parallel_size=tp, data_parallel_size_local=dp,

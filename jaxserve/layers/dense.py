@@ -1,0 +1,37 @@
+"""The model's dense layers: XLA's dot, or on CPU the native kernel (pallas_kernels/
+cpu_matmul.cc) over weights packed into column panels once, when the model is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from pallas_kernels import cpu_matmul
+
+# The layer weights the dense layers read, each [(L,) K, N]
+DENSE_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def pack(w: Any) -> Any:  # [..., K, N] -> f32[..., ceil(N / 32), K, 32]
+    """A weight placed on a device (one: packed weights are not sharded) stays on it."""
+    packed = cpu_matmul.pack(np.asarray(w, np.float32))
+    if isinstance(w, jax.Array):
+        (device,) = w.devices()
+        return jax.device_put(packed, device)
+    return packed
+
+
+def dense(x: jax.Array,  # [T, K]
+          w: jax.Array,  # [K, N], or packed by pack() when `columns` is given
+          columns: int | None = None,  # N of a packed weight
+          ) -> jax.Array:  # [T, N]
+    return x @ w if columns is None else cpu_matmul.matmul(x, w, columns)
+
+
+def uses_native_matmul(attention_backend: str, num_devices: int, dtype: Any) -> bool:
+    """The `cpu` backend runs the dense layers in the native kernel too: float32 weights on
+    one device (a packed weight is not split by tensor parallelism; TP on CPU keeps XLA's
+    dots)."""
+    return attention_backend == "cpu" and num_devices == 1 and np.dtype(dtype) == np.float32
