@@ -31,11 +31,26 @@ def inverse_frequencies(head_dim: int, theta: float,
 def rotary_angles(positions: jax.Array,  # i32[T]
                   inv_freq: jax.Array,  # f32[Dh // 2]
                   ) -> tuple[jax.Array, jax.Array]:  # cos, sin: f32[T, 1, Dh // 2]
-    """Computed once per forward pass. The barrier keeps them out of the layers' rotary
-    fusions, where XLA:CPU would evaluate the cosine and sine again for every head and both
-    halves (~0.25 ms a layer at 32 decodes)."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jax.lax.optimization_barrier((jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]))
+    return jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+
+
+def rotary_table(inv_freq: np.ndarray,  # f32[Dh // 2]
+                 num_positions: int) -> np.ndarray:  # f32[num_positions, 2, Dh // 2]
+    """cos and sin of every position's angles, for a lookup per step instead of
+    rotary_angles: XLA:CPU fuses the cosine and sine into each layer's rotary and evaluates
+    them again for every head (~0.25 ms a layer at 32 decodes). The angles are float32
+    products, as in rotary_angles and HF; their cos and sin are rounded from float64."""
+    angles = (np.arange(num_positions, dtype=np.float32)[:, None]
+              * inv_freq.astype(np.float32)[None, :]).astype(np.float64)
+    return np.stack([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+
+
+def lookup_angles(table: jax.Array,  # f32[P, 2, Dh // 2]  from rotary_table
+                  positions: jax.Array,  # i32[T]
+                  ) -> tuple[jax.Array, jax.Array]:  # cos, sin: f32[T, 1, Dh // 2]
+    rows = table[positions]
+    return rows[:, 0, None, :], rows[:, 1, None, :]
 
 
 def apply_rotary(x: jax.Array,  # [T, H, Dh]

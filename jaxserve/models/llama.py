@@ -22,7 +22,8 @@ from flax import nnx
 
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.layers.dense import DENSE_PARAMS, dense, pack
-from jaxserve.layers.rotary import apply_rotary, inverse_frequencies, rotary_angles
+from jaxserve.layers.rotary import (apply_rotary, inverse_frequencies, lookup_angles,
+                                    rotary_angles, rotary_table)
 from jaxserve.models.llama_config import LlamaConfig
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
@@ -64,6 +65,9 @@ class Llama(nnx.Module):
         self.lm_head = (None if cfg.tie_word_embeddings else nnx.Param(jnp.asarray(
             pack(np.asarray(params["lm_head"]).T) if self.packed_head else params["lm_head"],
             self.dtype)))
+        # The CPU path looks its rotary angles up (layers/rotary.py: rotary_table)
+        self.rotary_table = nnx.Variable(jnp.asarray(rotary_table(
+            self._inverse_frequencies(), cfg.max_position_embeddings))) if native_matmul else None
         names = [name for name in LAYER_PARAMS if name in params]
         if scan_layers:  # [L, ...] each
             self.layers = nnx.Dict({name: param(name, params[name]) for name in names})
@@ -84,9 +88,9 @@ class Llama(nnx.Module):
         cfg = self.cfg
         depth = cfg.num_layers if num_layers is None else num_layers
         x = self.embed[...][input_ids]
-        inv_freq = jnp.asarray(inverse_frequencies(cfg.head_dim, cfg.rope_theta,
-                                                   cfg.rope_scaling_dict))  # a constant
-        angles = rotary_angles(md.positions, inv_freq)
+        angles = (rotary_angles(md.positions, jnp.asarray(self._inverse_frequencies()))
+                  if self.rotary_table is None
+                  else lookup_angles(self.rotary_table[...], md.positions))
 
         def layer(carry: tuple[jax.Array, jax.Array, jax.Array], w: dict[str, jax.Array],
                   index: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -102,6 +106,10 @@ class Llama(nnx.Module):
                 carry = layer(carry, {name: p[...] for name, p in params.items()}, index)
         x, k_cache, v_cache = carry
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), k_cache, v_cache
+
+    def _inverse_frequencies(self) -> np.ndarray:
+        cfg = self.cfg
+        return inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
 
     def _layer(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                w: dict[str, jax.Array], index: int | jax.Array, md: AttentionMetadata,
