@@ -63,11 +63,13 @@ class Llama(nnx.Module):
         # An untied head [V, D] is packed as [D, V]; a tied one stays the embedding
         self.packed_head = native_matmul and not cfg.tie_word_embeddings
         self.lm_head = (None if cfg.tie_word_embeddings else nnx.Param(jnp.asarray(
-            pack(np.asarray(params["lm_head"]).T) if self.packed_head else params["lm_head"],
+            pack(params["lm_head"].T) if self.packed_head else params["lm_head"],
             self.dtype)))
-        # The CPU path looks its rotary angles up (layers/rotary.py: rotary_table)
-        self.rotary_table = nnx.Variable(jnp.asarray(rotary_table(
-            self._inverse_frequencies(), cfg.max_position_embeddings))) if native_matmul else None
+        # The CPU path looks its rotary angles up (layers/rotary.py: rotary_table), on the
+        # embedding's one device
+        self.rotary_table = nnx.Variable(jax.device_put(
+            rotary_table(self._inverse_frequencies(), cfg.max_position_embeddings),
+            next(iter(self.embed[...].devices())))) if native_matmul else None
         names = [name for name in LAYER_PARAMS if name in params]
         if scan_layers:  # [L, ...] each
             self.layers = nnx.Dict({name: param(name, params[name]) for name in names})

@@ -83,6 +83,16 @@ def test_the_native_cpu_matmul_gives_hf_logits(hf_checkpoint, kind, tie, scan_la
     np.testing.assert_allclose(ours, hf_logits(path, ids), atol=1e-4, rtol=0)
 
 
+def test_the_native_cpu_path_keeps_every_array_on_the_weights_device(hf_checkpoint):
+    """A data-parallel rank's model lives on its own device: packed weights, the packed head
+    and the rotary table too."""
+    loaded = load_model(str(hf_checkpoint("llama")))  # untied head
+    device = jax.devices()[-1]
+    placed = {name: jax.device_put(value, device) for name, value in loaded.params.items()}
+    leaves = jax.tree.leaves(nnx.state(Llama(loaded.config, placed, native_matmul=True)))
+    assert len(leaves) > 3 and all(leaf.devices() == {device} for leaf in leaves)
+
+
 def test_the_native_cpu_matmul_refuses_bfloat16(hf_checkpoint):
     loaded = load_model(str(hf_checkpoint("llama")))
     with pytest.raises(ValueError, match="native CPU matmul takes float32 weights"):
