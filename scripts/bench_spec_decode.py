@@ -196,6 +196,8 @@ def build(cfg: Config, hf_dir: Path, size: dict, max_batch: int) -> None:
     if cfg.label == "off-sync":
         args["async_scheduling"] = False
     buckets = [b for b in TOKEN_BUCKETS if b <= args["max_num_batched_tokens"]]
+    if cfg.spec is not None:  # as the engine's default buckets: a batch-1 verify step unpadded
+        buckets = sorted({*buckets, 1 + cfg.spec["num_speculative_tokens"]})
     try:
         cfg.engine = make_engine(hf_dir, max_num_seqs=max_batch, token_buckets=buckets,
                                  request_buckets=sorted({min(b, max_batch)

@@ -160,8 +160,8 @@ class EngineCore:
         outputs = self._step()
         end = time.perf_counter()
         if not self._launched_prefill:  # prompt work costs the same either way: not counted
-            drafting = self.spec_switch.record(sum(len(o.new_token_ids) for o in outputs),
-                                               end - start)
+            counts = [len(o.new_token_ids) for o in outputs if o.new_token_ids]
+            drafting = self.spec_switch.record(sum(counts), len(counts), end - start)
             for scheduler in self.schedulers:
                 scheduler.draft_policy.enabled = drafting
         self._last_step_end = end if self.has_unfinished_requests() else None

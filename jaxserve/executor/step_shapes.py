@@ -22,8 +22,12 @@ def step_buckets(config: EngineConfig) -> tuple[list[int], list[int]]:
     # and sampled row, and (the request bucket being min(R, T) below 8) for its padding
     # requests in the decodes' attention: one decode of the dummy model took 24 ms padded to 8
     # tokens and 8 requests, 9 ms unpadded (CPU).
-    token_buckets = sorted(config.runner.token_buckets or power_of_two_buckets(
-        1, sched.max_num_batched_tokens))
+    # With speculation, 1 + k too: one request's verify step is not padded to the next power
+    # of two (5 rows to 8 at k = 4: ~1.3x the matmul time of 5 with the native CPU matmul).
+    verify = 1 + num_speculative_tokens(config)
+    token_buckets = sorted(config.runner.token_buckets or {
+        *power_of_two_buckets(1, sched.max_num_batched_tokens),
+        *([verify] if 1 < verify < sched.max_num_batched_tokens else [])})
     request_buckets = sorted(config.runner.request_buckets or power_of_two_buckets(
         min(8, sched.max_num_seqs), sched.max_num_seqs))
     if token_buckets[-1] < sched.max_num_batched_tokens:

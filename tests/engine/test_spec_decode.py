@@ -268,6 +268,20 @@ def test_bad_speculative_config_is_a_value_error_naming_the_field(config, field)
         EngineConfig.from_kwargs(speculative_config=config)
 
 
+def test_default_token_buckets_hold_one_verify_step_unpadded():
+    from jaxserve.config import EngineConfig
+    from jaxserve.executor.step_shapes import step_buckets
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    with_spec = EngineConfig.from_kwargs(speculative_config=ngram, max_num_batched_tokens=64)
+    assert step_buckets(with_spec)[0] == [1, 2, 4, 5, 8, 16, 32, 64]
+    assert step_buckets(EngineConfig.from_kwargs(max_num_batched_tokens=64))[0] == [
+        1, 2, 4, 8, 16, 32, 64]
+    explicit = EngineConfig.from_kwargs(speculative_config=ngram, max_num_batched_tokens=64,
+                                        token_buckets=[8, 64])
+    assert step_buckets(explicit)[0] == [8, 64]  # the user's buckets stay as given
+
+
 @pytest.mark.parametrize("draft, field", [
     (dict(vocab_size=8), "vocabulary"),
     (dict(max_position_embeddings=64), "max_position_embeddings"),

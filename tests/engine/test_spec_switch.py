@@ -7,12 +7,14 @@ import pytest
 from jaxserve.engine.spec_switch import SpeculationSwitch
 
 
-def run(switch: SpeculationSwitch, steps: int, rate: dict[bool, float]) -> list[bool]:
-    """Feed `steps` steps of 1 s each, yielding rate[on] tokens; the modes the steps ran in."""
+def run(switch: SpeculationSwitch, steps: int, rate: dict[bool, float],
+        requests: int = 1) -> list[bool]:
+    """Feed `steps` steps of 1 s each, yielding rate[on] tokens to each of `requests`; the
+    modes the steps ran in."""
     modes = []
     for _ in range(steps):
         modes.append(switch.on)
-        switch.record(int(rate[switch.on]), 1.0)
+        switch.record(int(rate[switch.on]) * requests, requests, 1.0)
     return modes
 
 
@@ -34,3 +36,20 @@ def test_follows_a_workload_that_changes():
     assert switch.on
     run(switch, 20, {True: 3.0, False: 6.0})  # drafts stop paying
     assert not switch.on
+
+
+def test_a_shrinking_batch_does_not_make_the_way_measured_last_look_slower():
+    """Drafting measured with 8 requests running, then not drafting with 2 left: per request,
+    not drafting is faster, though the engine as a whole made fewer tokens a second."""
+    switch = SpeculationSwitch(window=4, hold=3)
+    run(switch, 4, {True: 3.0, False: 4.0}, requests=8)  # on: 24 tokens a step in all
+    run(switch, 4, {True: 3.0, False: 4.0}, requests=2)  # off: 8 tokens a step in all
+    assert not switch.on
+
+
+def test_a_step_that_returned_no_tokens_is_not_counted():
+    switch = SpeculationSwitch(window=2, hold=3)
+    switch.record(0, 0, 5.0)  # e.g. the first step under async scheduling
+    run(switch, 2, {True: 10.0, False: 6.0})
+    run(switch, 2, {True: 10.0, False: 6.0})
+    assert switch.on
