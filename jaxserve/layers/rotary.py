@@ -54,7 +54,7 @@ def lookup_angles(table: jax.Array,  # f32[P, 2, Dh // 2]  from rotary_table
 
 
 def apply_rotary(x: jax.Array,  # [T, H, Dh]
-                 angles: tuple[jax.Array, jax.Array],  # from rotary_angles
+                 angles: tuple[jax.Array, jax.Array],  # rotary_angles or lookup_angles
                  ) -> jax.Array:
     cos, sin = angles
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

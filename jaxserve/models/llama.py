@@ -8,7 +8,9 @@ Checkpoints stack each layer weight on axis 0. Two ways to run the layers, one l
   `lax.scan` over them, with the layer index traced. Compile time does not grow with depth, and
   the weights are never held twice.
 The forward pass takes a flattened ragged batch (`input_ids[T]` with explicit positions) and
-reads/writes the paged cache through an attention backend.
+reads/writes the paged cache through an attention backend. With `native_matmul` (the CPU's
+`cpu` backend) the dense layers run in pallas_kernels/cpu_matmul.cc over weights packed at
+build time, and the rotary angles come from a per-position table.
 """
 
 from __future__ import annotations
