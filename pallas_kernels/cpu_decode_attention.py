@@ -29,7 +29,8 @@ def attend_decodes(
 ) -> jax.Array:  # [T, Hq, D]  the decodes' rows; zeros elsewhere
     if not available():
         raise RuntimeError("the native CPU kernels did not build here (see the log)")
-    call = jax.ffi.ffi_call("jaxserve_cpu_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call("jaxserve_cpu_decode_attention",
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32),
                seq_lens, block_tables, query_start_loc,
                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),

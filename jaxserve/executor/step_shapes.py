@@ -23,7 +23,7 @@ def step_buckets(config: EngineConfig) -> tuple[list[int], list[int]]:
     # requests in the decodes' attention: one decode of the dummy model took 24 ms padded to 8
     # tokens and 8 requests, 9 ms unpadded (CPU).
     # With speculation, 1 + k too: one request's verify step is not padded to the next power
-    # of two (5 rows to 8 at k = 4: ~1.3x the matmul time of 5 with the native CPU matmul).
+    # of two (5 rows to 8 at k = 4: ~1.25x the matmul time of 5 with the native CPU matmul).
     verify = 1 + num_speculative_tokens(config)
     token_buckets = sorted(config.runner.token_buckets or {
         *power_of_two_buckets(1, sched.max_num_batched_tokens),
