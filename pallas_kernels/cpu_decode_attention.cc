@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu_parallel_for.h"
+#include "cpu_vector.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -42,9 +43,69 @@ struct Params {
   int32_t layer;
 };
 
+// Row q's scores (q . k for key rows [c, end) of the page, end - c <= 16) in a vector's first
+// lanes, kMaskValue in the rest. A head dim of whole vectors with 16 rows left in the page
+// takes each dot as a vector along the head dim and sums 16 of them across lanes at once
+// (rows past `end` are read, then masked); otherwise one dot at a time.
+template <int kD>
+jaxserve::Vec Scores(const float* q, const float* page, int64_t D, int64_t c, int64_t end,
+                     int64_t BS) {
+  using jaxserve::kLanes;
+  using jaxserve::Vec;
+  const int32_t count = static_cast<int32_t>(end - c);
+  const jaxserve::IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  if constexpr (kD > 0 && kD % kLanes == 0) {
+    if (c + kLanes <= BS) {
+      Vec qv[kD / kLanes], dots[kLanes];
+      for (int j = 0; j < kD / kLanes; ++j) qv[j] = jaxserve::Load(q + j * kLanes);
+      for (int t = 0; t < kLanes; ++t) {
+        const float* k = page + (c + t) * kD;
+        Vec dot = qv[0] * jaxserve::Load(k);
+        for (int j = 1; j < kD / kLanes; ++j) dot += qv[j] * jaxserve::Load(k + j * kLanes);
+        dots[t] = dot;
+      }
+      return lane < count ? jaxserve::LaneSums(dots) : Vec{} + kMaskValue;
+    }
+  }
+  float scores[kLanes];
+  for (int32_t t = 0; t < kLanes; ++t) {
+    float dot = kMaskValue;
+    if (t < count) {
+      const float* k = page + (c + t) * D;
+      dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
+    }
+    scores[t] = dot;
+  }
+  return jaxserve::Load(scores);
+}
+
+// acc = acc * scale + the sum over key rows t in [t0, t1) of weights[t] * the page's v[t].
+template <int kD>
+void AccumulateValues(float* acc, float scale, const float* weights, const float* page,
+                      int64_t D, int64_t t0, int64_t t1) {
+  using jaxserve::kLanes;
+  using jaxserve::Vec;
+  if constexpr (kD > 0 && kD % kLanes == 0) {
+    Vec a[kD / kLanes];  // in registers across t
+    for (int j = 0; j < kD / kLanes; ++j) a[j] = jaxserve::Load(acc + j * kLanes) * scale;
+    for (int64_t t = t0; t < t1; ++t) {
+      const Vec w = Vec{} + weights[t];
+      const float* v = page + t * kD;
+      for (int j = 0; j < kD / kLanes; ++j) a[j] += w * jaxserve::Load(v + j * kLanes);
+    }
+    for (int j = 0; j < kD / kLanes; ++j) jaxserve::Store(acc + j * kLanes, a[j]);
+  } else {
+    for (int64_t d = 0; d < D; ++d) acc[d] *= scale;
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t d = 0; d < D; ++d) acc[d] += weights[t] * page[t * D + d];
+    }
+  }
+}
+
 // One (request, KV head): rows n = q_len * G, row i = (query row i / G, head h * G + i % G).
-// kD > 0: the head dim fixed at compile time, so the dots unroll into independent chains
-// (~2x faster than a loop of runtime length); 0: any head dim.
+// kD > 0: the head dim fixed at compile time, so the loops over it unroll (and the scores run
+// as vectors, see Scores); 0: any head dim.
 template <typename KV, int kD>
 void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cache,
                 const KV* v_cache, const int32_t* seq_lens, const int32_t* block_tables,
@@ -53,7 +114,10 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   const int64_t q_start = query_start_loc[r];
   const int64_t q_len = query_start_loc[r + 1] - q_start;
   const int64_t n = q_len * G;
-  std::vector<float> qv(n * D), acc(n * D, 0.f), m(n, kMaskValue), l(n, 0.f), sc(n * BS);
+  // A row's scores for a page, in whole vectors (lanes past the visible ones hold kMaskValue).
+  const int64_t scores_per_row = BS + jaxserve::kLanes;
+  std::vector<float> qv(n * D), acc(n * D, 0.f), m(n, kMaskValue), l(n, 0.f),
+      sc(n * scores_per_row);
   std::vector<int64_t> hi(n), lo(n);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = i / G;
@@ -73,64 +137,48 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   std::vector<float> k_buf, v_buf;
   for (int64_t page = first / BS; page * BS < last; ++page) {
     const int64_t block = block_of(page);
-    if ((page + 1) * BS < last) {  // the next page is elsewhere: start reading it now
+    // The next page not right after this one: start reading it into L2 now (the hardware's
+    // prefetcher follows a request whose pages are consecutive, and prefetching those too
+    // only slows it).
+    if ((page + 1) * BS < last && block_of(page + 1) != block + 1) {
       const int64_t next = (head_base + block_of(page + 1)) * BS * D;
       for (int64_t j = 0; j < BS * D * static_cast<int64_t>(sizeof(KV)); j += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next) + j);
-        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next) + j);
+        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next) + j, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next) + j, 0, 2);
       }
     }
     const float* kp = PageAsFloat(k_cache + (head_base + block) * BS * D, BS * D, k_buf);
     const float* vp = PageAsFloat(v_cache + (head_base + block) * BS * D, BS * D, v_buf);
     const int64_t pos0 = page * BS;
     for (int64_t i = 0; i < n; ++i) {
-      // The row sees positions [t0, t1) of this page: nothing else of it is read, so slots
-      // past seq_len and outside the window may hold anything.
+      // The row sees positions [t0, t1) of this page: nothing else of it is used (Scores may
+      // read past t1, and masks it), so slots past seq_len and outside the window may hold
+      // anything.
       const int64_t t0 = std::max<int64_t>(lo[i] - pos0, 0);
       const int64_t t1 = std::min<int64_t>(hi[i] - pos0, BS);
       if (t0 >= t1) continue;
-      float* si = &sc[i * BS];
+      float* si = &sc[i * scores_per_row];
       const float* qi = &qv[i * D];
-      float m_page = kMaskValue;
-      int64_t t = t0;
-      for (; t + 4 <= t1; t += 4) {  // four independent sums keep the FMA units busy
-        const float* kt = kp + t * D;
-        float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
-        for (int64_t d = 0; d < D; ++d) {
-          d0 += qi[d] * kt[d];
-          d1 += qi[d] * kt[D + d];
-          d2 += qi[d] * kt[2 * D + d];
-          d3 += qi[d] * kt[3 * D + d];
-        }
-        si[t] = d0;
-        si[t + 1] = d1;
-        si[t + 2] = d2;
-        si[t + 3] = d3;
+      for (int64_t c = t0; c < t1; c += jaxserve::kLanes) {
+        jaxserve::Store(si + c, Scores<kD>(qi, kp, D, c, std::min(t1, c + jaxserve::kLanes), BS));
       }
-      for (; t < t1; ++t) {
-        const float* kt = kp + t * D;
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qi[d] * kt[d];
-        si[t] = dot;
+      if (p.soft_cap > 0.f) {
+        for (int64_t t = t0; t < t1; ++t) si[t] = p.soft_cap * std::tanh(si[t] / p.soft_cap);
       }
-      for (t = t0; t < t1; ++t) {
-        if (p.soft_cap > 0.f) si[t] = p.soft_cap * std::tanh(si[t] / p.soft_cap);
-        m_page = std::max(m_page, si[t]);
+      jaxserve::Vec page_max = jaxserve::Vec{} + kMaskValue;
+      for (int64_t c = t0; c < t1; c += jaxserve::kLanes) {
+        page_max = jaxserve::Max(page_max, jaxserve::Load(si + c));
       }
-      const float m_new = std::max(m[i], m_page);
+      const float m_new = std::max(m[i], jaxserve::LaneMax(page_max));
       const float scale = std::exp(m[i] - m_new);
-      float sum = 0.f;
-      for (int64_t t = t0; t < t1; ++t) {
-        si[t] = std::exp(si[t] - m_new);
-        sum += si[t];
+      jaxserve::Vec sums{};
+      for (int64_t c = t0; c < t1; c += jaxserve::kLanes) {
+        const jaxserve::Vec e = jaxserve::ExpNonPositive(jaxserve::Load(si + c) - m_new);
+        jaxserve::Store(si + c, e);
+        sums += e;
       }
-      float* __restrict__ ai = &acc[i * D];  // restrict: kept in registers across t
-      for (int64_t d = 0; d < D; ++d) ai[d] *= scale;
-      for (int64_t t = t0; t < t1; ++t) {
-        const float* __restrict__ vt = vp + t * D;
-        const float pt = si[t];
-        for (int64_t d = 0; d < D; ++d) ai[d] += pt * vt[d];
-      }
+      const float sum = jaxserve::LaneSum(sums);
+      AccumulateValues<kD>(&acc[i * D], scale, si, vp, D, t0, t1);
       l[i] = l[i] * scale + sum;
       m[i] = m_new;
     }

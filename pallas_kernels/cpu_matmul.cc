@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "cpu_parallel_for.h"
+#include "cpu_vector.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -24,15 +25,8 @@ constexpr int64_t kTileRows = 8;    // rows per register tile: 8 x 2 accumulator
 constexpr int64_t kBlockRows = 64;  // rows per work item: its x block stays in L2
 constexpr int64_t kPrefetch = 16;   // k steps ahead (2 KB) in the panel
 
-// The compiler maps this to the widest vectors the CPU has (-march=native): one AVX-512
-// register, two AVX2 ones, four NEON ones.
-typedef float Vec __attribute__((vector_size(64)));
-
-inline Vec Load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+using jaxserve::Load;
+using jaxserve::Vec;
 
 // y[r, 0:cols] = x[r, :] @ panel for r < kRows; cols < 32 only in the last panel.
 template <int kRows>

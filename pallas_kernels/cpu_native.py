@@ -29,7 +29,7 @@ TARGETS = {"jaxserve_cpu_decode_attention": "JaxserveDecodeAttention",
            "jaxserve_cpu_matmul": "JaxserveMatmul"}
 _DIR = Path(__file__).parent
 _SOURCES = (_DIR / "cpu_decode_attention.cc", _DIR / "cpu_matmul.cc")
-_HEADERS = (_DIR / "cpu_parallel_for.h",)
+_HEADERS = (_DIR / "cpu_parallel_for.h", _DIR / "cpu_vector.h")
 # Reassociation lets the compiler vectorise the dot products' sums. Not -ffast-math: linking
 # with it adds crtfastmath, whose constructor turns on flush-to-zero and denormals-are-zero for
 # the whole process once the library loads (numpy's and XLA's arithmetic included).
