@@ -260,7 +260,10 @@ def device_only_ms(engine: Any, repeats: int = 5) -> float:
 
 def fill_decoding(engine: Any, num_requests: int, prompt_len: int, vocab: int,
                   max_tokens: int = 10_000, seed: int = 0, prefix: str = "d") -> list[str]:
-    """Add requests and step until every one is past its prefill (all are decoding)."""
+    """Add requests and step until every one is past its prefill (all are decoding). Raises
+    if any was preempted or finished meanwhile: the batch would not be the one asked for (the
+    KV cache must hold every prompt plus the tokens the first ones decode while the last ones
+    prefill)."""
     from jaxserve import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -270,6 +273,10 @@ def fill_decoding(engine: Any, num_requests: int, prompt_len: int, vocab: int,
         engine.add_request(rid, {"prompt_token_ids": rng.integers(3, vocab, prompt_len).tolist()},
                            params)
     sched = engine.core.scheduler
+    preemptions = sched.num_preemptions
     while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
         engine.step()
+        if sched.num_preemptions != preemptions or not set(ids) <= sched.requests.keys():
+            raise RuntimeError(f"fill_decoding: {num_requests} requests of {prompt_len} tokens "
+                               "do not fit the KV cache together (preempted or finished)")
     return ids

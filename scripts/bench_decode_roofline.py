@@ -19,6 +19,7 @@ same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -75,23 +76,31 @@ def main() -> None:
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    bandwidth = measure_bandwidth()
-    gbps = max(bandwidth.values())
-    gflops = measure_matmul_gflops()
-    rows = []
+    # The machine's rates, measured before and after the engines: on a shared machine noise
+    # only lowers a rate, so the best is the bound.
+    bandwidth, gflops = measure_bandwidth(), measure_matmul_gflops()
+    steps = []
     for backend in args.backends.split(","):
-        rows += measure_backend(backend, batches, contexts, args.steps, gbps, gflops)
+        steps += measure_backend(backend, batches, contexts, args.steps)
+    bandwidth = {k: max(v, bandwidth[k]) for k, v in measure_bandwidth().items()}
+    gflops = max(gflops, measure_matmul_gflops())
+    gbps = max(bandwidth.values())
+    rows = [roofline_row(step, gbps, gflops) for step in steps]
 
     body = ("dummy ~30M Llama (8 layers, hidden 512, 4 KV heads x 64, vocab 8192), float32. "
             "Memory bandwidth: "
             + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items())
             + f"; the bound uses {gbps:.1f} GB/s. Matmul: {gflops:.0f} GFLOP/s (jitted "
-            "1024x1024 float32).\n\n"
+            "1024x1024 float32). Both rates are the best of a measurement before the engines "
+            "run and one after.\n\n"
             + markdown_table(["attention backend", "batch", "context", "engine step ms",
                               "device-only ms", "weights MiB", "KV MiB", "memory bound ms",
                               "compute bound ms", "memory bound / device-only",
                               "roofline / device-only", "roofline / step"], rows)
-            + "\n\nmemory bound = (weights + the batch's embedding rows + KV of every sequence) "
+            + "\n\ncontext = prompt tokens; the KV and attention FLOPs count each request's "
+            "tokens at the measured step (the first requests decode while the last ones "
+            "prefill, so they run longer). memory bound = (weights + the batch's embedding rows "
+            "+ KV of every sequence) "
             "/ bandwidth; compute bound = FLOPs / matmul rate; roofline = the larger; "
             "device-only = the jitted step replayed on inputs already on the device (best of 5, "
             "ModelRunner.time_last_step); engine step "
@@ -102,9 +111,24 @@ def main() -> None:
     write_result("bench_decode_roofline", "Decode step against the memory-bandwidth bound", body)
 
 
-def measure_backend(backend: str, batches: list[int], contexts: list[int], steps: int,
-                    gbps: float, gflops: float) -> list[list[object]]:
-    blocks_per_seq = -(-(max(contexts) + 2 * steps + 16) // 16)
+@dataclasses.dataclass
+class StepTime:
+    backend: str
+    batch: int
+    context: int
+    step_ms: float  # the whole LLMEngine.step
+    device_ms: float  # the jitted step alone
+    weight_bytes: int
+    kv_bytes: int
+    moved_bytes: int  # weights, the batch's embedding rows and its KV
+    flops: float
+
+
+def measure_backend(backend: str, batches: list[int], contexts: list[int],
+                    steps: int) -> list[StepTime]:
+    # A request's context grows by a token a step while later ones prefill (one a step at most:
+    # a prompt fills max_num_batched_tokens), then by the timed steps.
+    blocks_per_seq = -(-(max(contexts) + max(batches) + 2 * steps + 16) // 16)
     engine = make_engine(DUMMY_CONFIG_DIR, load_format="dummy", dtype="float32",
                          max_model_len=1024, block_size=16,
                          num_kv_blocks=max(batches) * blocks_per_seq + 1,
@@ -118,26 +142,34 @@ def measure_backend(backend: str, batches: list[int], contexts: list[int], steps
     embed_row_bytes = params["embed"].nbytes // cfg.vocab_size
     kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     flops_per_token = 2 * sum(v.size for k, v in params.items() if k != "embed")
-    rows = []
+    measured = []
     for ctx in contexts:
         for b in batches:
             ids = fill_decoding(engine, b, ctx, cfg.vocab_size, prefix=f"b{b}c{ctx}-")
             timed_steps_ms(engine, 1)
             step_ms = timed_steps_ms(engine, steps)["step"]
             device_ms = device_only_ms(engine)
-            kv_bytes = b * (ctx + 2 + steps // 2) * kv_token_bytes
-            moved = weight_bytes + b * embed_row_bytes + kv_bytes
-            bound_ms = moved / (gbps * 1e9) * 1e3
-            attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx
-            compute_ms = b * (flops_per_token + attn_flops) / (gflops * 1e9) * 1e3
-            roof = max(bound_ms, compute_ms)
-            rows.append([backend, b, ctx, step_ms, device_ms, weight_bytes / 2**20,
-                         kv_bytes / 2**20, bound_ms, compute_ms,
-                         f"{100 * bound_ms / device_ms:.0f}%",
-                         f"{100 * roof / device_ms:.0f}%", f"{100 * roof / step_ms:.0f}%"])
+            running = engine.core.scheduler.running
+            if len(running) != b:
+                raise RuntimeError(f"batch {b}: {len(running)} requests in the step")
+            context_tokens = sum(r.num_tokens for r in running)
+            kv_bytes = context_tokens * kv_token_bytes
+            attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context_tokens
+            measured.append(StepTime(backend, b, ctx, step_ms, device_ms, weight_bytes,
+                                     kv_bytes, weight_bytes + b * embed_row_bytes + kv_bytes,
+                                     b * flops_per_token + attn_flops))
             engine.abort_request(ids)
             engine.step()
-    return rows
+    return measured
+
+
+def roofline_row(t: StepTime, gbps: float, gflops: float) -> list[object]:
+    bound_ms = t.moved_bytes / (gbps * 1e9) * 1e3
+    compute_ms = t.flops / (gflops * 1e9) * 1e3
+    roof = max(bound_ms, compute_ms)
+    return [t.backend, t.batch, t.context, t.step_ms, t.device_ms, t.weight_bytes / 2**20,
+            t.kv_bytes / 2**20, bound_ms, compute_ms, f"{100 * bound_ms / t.device_ms:.0f}%",
+            f"{100 * roof / t.device_ms:.0f}%", f"{100 * roof / t.step_ms:.0f}%"]
 
 
 if __name__ == "__main__":
