@@ -134,18 +134,22 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   const auto block_of = [&](int64_t page) {
     return std::clamp<int64_t>(block_tables[r * s.P + page], 0, s.NB - 1);
   };
+  // Pages two ahead are read into L2 while this one is worked on, unless one simply follows
+  // the page before it in memory: the hardware's prefetcher follows a request whose blocks are
+  // consecutive, and a burst of prefetches on top of it only slows it.
+  const auto prefetch = [&](int64_t page) {
+    const int64_t base = (head_base + block_of(page)) * BS * D;
+    for (int64_t j = 0; j < BS * D * static_cast<int64_t>(sizeof(KV)); j += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k_cache + base) + j, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(v_cache + base) + j, 0, 2);
+    }
+  };
+  if ((first / BS + 1) * BS < last) prefetch(first / BS + 1);
   std::vector<float> k_buf, v_buf;
   for (int64_t page = first / BS; page * BS < last; ++page) {
     const int64_t block = block_of(page);
-    // The next page not right after this one: start reading it into L2 now (the hardware's
-    // prefetcher follows a request whose pages are consecutive, and prefetching those too
-    // only slows it).
-    if ((page + 1) * BS < last && block_of(page + 1) != block + 1) {
-      const int64_t next = (head_base + block_of(page + 1)) * BS * D;
-      for (int64_t j = 0; j < BS * D * static_cast<int64_t>(sizeof(KV)); j += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next) + j, 0, 2);
-        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next) + j, 0, 2);
-      }
+    if ((page + 2) * BS < last && block_of(page + 2) != block_of(page + 1) + 1) {
+      prefetch(page + 2);
     }
     const float* kp = PageAsFloat(k_cache + (head_base + block) * BS * D, BS * D, k_buf);
     const float* vp = PageAsFloat(v_cache + (head_base + block) * BS * D, BS * D, v_buf);
