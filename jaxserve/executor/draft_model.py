@@ -90,7 +90,8 @@ def place_draft(loaded: LoadedModel, target: LlamaConfig, max_model_len: int, me
         cfg, placed = shard_params(loaded.config, loaded.params, mesh, dtype)
     except ValueError as e:  # e.g. a head count tensor parallelism does not divide
         raise ValueError(f"{FIELD}: {e}") from None
-    return Llama(cfg, placed, dtype, scan_layers=scan_layers, native_matmul=native_matmul)
+    return Llama(cfg, placed, dtype, scan_layers=scan_layers, native_matmul=native_matmul,
+                 max_positions=max_model_len)
 
 
 def catch_up(draft: Llama, backend: AttentionBackend, input_ids: jax.Array,

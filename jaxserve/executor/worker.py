@@ -102,7 +102,7 @@ class Worker:
         native_matmul = uses_native_matmul(backend.name, self.mesh.size, self.dtype)
         self.model = Llama(cfg, placed, self.dtype,
                            scan_layers=config.runner.scans_layers(platform),
-                           native_matmul=native_matmul)
+                           native_matmul=native_matmul, max_positions=self.max_model_len)
         if restored:  # the model holds the arrays it needs; drop the loader's references
             self.loaded = dataclasses.replace(self.loaded, params={})
         draft = draft or load_draft(config)

@@ -42,11 +42,13 @@ class Llama(nnx.Module):
     """Holds the weights as `nnx.Param`s; `__call__` is a pure function of them."""
 
     def __init__(self, cfg: LlamaConfig, params: dict[str, Any], dtype: Any = jnp.float32,
-                 scan_layers: bool = False, native_matmul: bool = False):
+                 scan_layers: bool = False, native_matmul: bool = False,
+                 max_positions: int | None = None):
         """`params`: the canonical weight dict (numpy, or jax arrays already placed on their
         shardings); the vocabulary may be padded for tensor parallelism. `native_matmul`
         (float32 on one CPU device): the dense layers' weights are packed for the native CPU
-        matmul (layers/dense.py) and run through it."""
+        matmul (layers/dense.py) and run through it. `max_positions`: positions the model
+        will see (the engine's max_model_len; default max_position_embeddings)."""
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.scan_layers = scan_layers
@@ -70,7 +72,8 @@ class Llama(nnx.Module):
         # The CPU path looks its rotary angles up (layers/rotary.py: rotary_table), on the
         # embedding's one device
         self.rotary_table = nnx.Variable(jax.device_put(
-            rotary_table(self._inverse_frequencies(), cfg.max_position_embeddings),
+            rotary_table(self._inverse_frequencies(),
+                         max_positions or cfg.max_position_embeddings),
             next(iter(self.embed[...].devices())))) if native_matmul else None
         names = [name for name in LAYER_PARAMS if name in params]
         if scan_layers:  # [L, ...] each

@@ -93,6 +93,15 @@ def test_the_native_cpu_path_keeps_every_array_on_the_weights_device(hf_checkpoi
     assert len(leaves) > 3 and all(leaf.devices() == {device} for leaf in leaves)
 
 
+def test_the_rotary_table_holds_the_positions_the_engine_serves(hf_checkpoint):
+    """Sized by max_model_len, not max_position_embeddings (a 128K-context model's table would
+    take 64 MB for an engine serving 4K)."""
+    loaded = load_model(str(hf_checkpoint("llama")))
+    assert loaded.config.max_position_embeddings != 40
+    model = Llama(loaded.config, loaded.params, native_matmul=True, max_positions=40)
+    assert model.rotary_table[...].shape[0] == 40
+
+
 def test_the_native_cpu_matmul_refuses_bfloat16(hf_checkpoint):
     loaded = load_model(str(hf_checkpoint("llama")))
     with pytest.raises(ValueError, match="native CPU matmul takes float32 weights"):
