@@ -102,7 +102,7 @@ def main() -> None:
             "prefill, so they run longer). memory bound = (weights + the batch's embedding rows "
             "+ KV of every sequence) "
             "/ bandwidth; compute bound = FLOPs / matmul rate; roofline = the larger; "
-            "device-only = the jitted step replayed on inputs already on the device (best of 5, "
+            "device-only = the jitted step replayed on inputs already on the device (best of 20, "
             "ModelRunner.time_last_step); engine step "
             "= the whole LLMEngine.step (host work included). A percentage is the share of the "
             "bound reached (100% = at the bound). `cpu`: decodes and dense layers in the native "
@@ -148,7 +148,7 @@ def measure_backend(backend: str, batches: list[int], contexts: list[int],
             ids = fill_decoding(engine, b, ctx, cfg.vocab_size, prefix=f"b{b}c{ctx}-")
             timed_steps_ms(engine, 1)
             step_ms = timed_steps_ms(engine, steps)["step"]
-            device_ms = device_only_ms(engine)
+            device_ms = device_only_ms(engine, repeats=20)
             running = engine.core.scheduler.running
             if len(running) != b:
                 raise RuntimeError(f"batch {b}: {len(running)} requests in the step")
