@@ -24,7 +24,7 @@ inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
 inline Vec Max(Vec a, Vec b) { return a > b ? a : b; }
 
-// Lane j of v with lanes j and j + w (mod 2w) swapped: the steps of a lane reduction.
+// v with each lane j exchanged with lane j ^ w: the steps of a reduction across lanes.
 template <int w>
 inline Vec SwapLanes(Vec v) {
   constexpr auto i = [](int j) { return j ^ w; };
@@ -81,7 +81,7 @@ inline Vec LaneSums(const Vec (&v)[kLanes]) {
 // the exponent bits.
 inline Vec ExpNonPositive(Vec x) {
   const IntVec underflow = x < -86.f;
-  x = x < -86.f ? Vec{} - 87.f : x;
+  x = x < -86.f ? Vec{} - 86.f : x;
   const IntVec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, IntVec);
   const Vec nf = __builtin_convertvector(n, Vec);
   const Vec r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
