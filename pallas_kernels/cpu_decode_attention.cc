@@ -225,7 +225,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || k_cache.element_type() != v_cache.element_type()) {
-    return ffi::Error::InvalidArgument("decode attention: q [T, Hq, D], caches [L, Hkv, NB, BS, D]");
+    return ffi::Error::InvalidArgument(
+        "decode attention: q [T, Hq, D], caches [L, Hkv, NB, BS, D]");
   }
   const auto td = block_tables.dimensions();
   Shape s{qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], td[0], td[1], qd[1] / kd[1]};
