@@ -1,8 +1,9 @@
 // Paged attention of decode rows on CPU, as an XLA FFI handler (see cpu_decode_attention.py).
 //
 // XLA:CPU runs the small batched dots of a decode at ~1 GB/s of KV; this reads each
-// (request, KV head)'s pages once, straight from the paged cache, for all of its query rows
-// (the G query heads of the group times up to max_rows rows of a verifying decode).
+// (request, KV head)'s pages straight from the paged cache, for all of its query rows (the G
+// query heads of the group times up to max_rows rows of a verifying decode): first every key
+// page for the rows' scores, then one softmax per row over all of them, then every value page.
 // Same semantics as xla_attention._attend_decodes: requests of 1..max_rows query rows, each
 // row masked to its own causal end (and window); other rows of the output are zero.
 
@@ -44,9 +45,10 @@ struct Params {
 };
 
 // Row q's scores (q . k for key rows [c, end) of the page, end - c <= 16) in a vector's first
-// lanes, kMaskValue in the rest. A head dim of whole vectors with 16 rows left in the page
-// takes each dot as a vector along the head dim and sums 16 of them across lanes at once
-// (rows past `end` are read, then masked); otherwise one dot at a time.
+// lanes, kMaskValue in the rest. With 16 rows left in the page (rows past `end` are read, then
+// masked), a head dim of whole vectors takes each dot as a vector along the head dim and sums
+// 16 of them across lanes at once, and a head dim of 8 takes two keys a vector; otherwise one
+// dot at a time.
 template <int kD>
 jaxserve::Vec Scores(const float* q, const float* page, int64_t D, int64_t c, int64_t end,
                      int64_t BS) {
@@ -54,6 +56,29 @@ jaxserve::Vec Scores(const float* q, const float* page, int64_t D, int64_t c, in
   using jaxserve::Vec;
   const int32_t count = static_cast<int32_t>(end - c);
   const jaxserve::IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  if constexpr (kD == 8) {
+    if (c + kLanes <= BS) {
+      // Vector j: key c + 2j in lanes 0-7, key c + 2j + 1 in lanes 8-15. Three folds sum each
+      // key's 8 products into one lane, key k in the lane of k's 4 bits reversed (the order
+      // LaneSums folds into); the shuffle puts key k in lane k.
+      float q_twice[kLanes];
+      std::memcpy(q_twice, q, 8 * sizeof(float));
+      std::memcpy(q_twice + 8, q, 8 * sizeof(float));
+      const Vec qv = jaxserve::Load(q_twice);
+      Vec products[8], quarters[4], halves[2];
+      for (int j = 0; j < 8; ++j) products[j] = qv * jaxserve::Load(page + (c + 2 * j) * 8);
+      for (int j = 0; j < 4; ++j) {
+        quarters[j] = jaxserve::FoldPair<4>(products[2 * j], products[2 * j + 1]);
+      }
+      for (int j = 0; j < 2; ++j) {
+        halves[j] = jaxserve::FoldPair<2>(quarters[2 * j], quarters[2 * j + 1]);
+      }
+      const Vec folded = jaxserve::FoldPair<1>(halves[0], halves[1]);
+      const Vec dots = __builtin_shufflevector(folded, folded, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9,
+                                               5, 13, 3, 11, 7, 15);
+      return lane < count ? dots : Vec{} + kMaskValue;
+    }
+  }
   if constexpr (kD > 0 && kD % kLanes == 0) {
     if (c + kLanes <= BS) {
       Vec qv[kD / kLanes], dots[kLanes];
@@ -67,28 +92,41 @@ jaxserve::Vec Scores(const float* q, const float* page, int64_t D, int64_t c, in
       return lane < count ? jaxserve::LaneSums(dots) : Vec{} + kMaskValue;
     }
   }
+  const int64_t dim = kD > 0 ? kD : D;
   float scores[kLanes];
   for (int32_t t = 0; t < kLanes; ++t) {
     float dot = kMaskValue;
     if (t < count) {
-      const float* k = page + (c + t) * D;
+      const float* k = page + (c + t) * dim;
       dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
+      for (int64_t d = 0; d < dim; ++d) dot += q[d] * k[d];
     }
     scores[t] = dot;
   }
   return jaxserve::Load(scores);
 }
 
-// acc = acc * scale + the sum over key rows t in [t0, t1) of weights[t] * the page's v[t].
+// acc += the sum over key rows t in [t0, t1) of weights[t] * the page's v[t].
 template <int kD>
-void AccumulateValues(float* acc, float scale, const float* weights, const float* page,
-                      int64_t D, int64_t t0, int64_t t1) {
+void AccumulateValues(float* acc, const float* weights, const float* page, int64_t D,
+                      int64_t t0, int64_t t1) {
   using jaxserve::kLanes;
   using jaxserve::Vec;
-  if constexpr (kD > 0 && kD % kLanes == 0) {
+  if constexpr (kD == 8) {  // two keys a vector, as in Scores; the halves are added at the end
+    const jaxserve::IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    Vec a{};
+    int64_t t = t0;
+    for (; t + 1 < t1; t += 2) {
+      a += (lane < 8 ? Vec{} + weights[t] : Vec{} + weights[t + 1]) * jaxserve::Load(page + t * 8);
+    }
+    float sums[kLanes];
+    jaxserve::Store(sums, a);
+    for (int d = 0; d < 8; ++d) {
+      acc[d] += sums[d] + sums[d + 8] + (t < t1 ? weights[t] * page[t * 8 + d] : 0.f);
+    }
+  } else if constexpr (kD > 0 && kD % kLanes == 0) {
     Vec a[kD / kLanes];  // in registers across t
-    for (int j = 0; j < kD / kLanes; ++j) a[j] = jaxserve::Load(acc + j * kLanes) * scale;
+    for (int j = 0; j < kD / kLanes; ++j) a[j] = jaxserve::Load(acc + j * kLanes);
     for (int64_t t = t0; t < t1; ++t) {
       const Vec w = Vec{} + weights[t];
       const float* v = page + t * kD;
@@ -96,29 +134,34 @@ void AccumulateValues(float* acc, float scale, const float* weights, const float
     }
     for (int j = 0; j < kD / kLanes; ++j) jaxserve::Store(acc + j * kLanes, a[j]);
   } else {
-    for (int64_t d = 0; d < D; ++d) acc[d] *= scale;
+    const int64_t dim = kD > 0 ? kD : D;
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t d = 0; d < D; ++d) acc[d] += weights[t] * page[t * D + d];
+      for (int64_t d = 0; d < dim; ++d) acc[d] += weights[t] * page[t * dim + d];
     }
   }
 }
 
 // One (request, KV head): rows n = q_len * G, row i = (query row i / G, head h * G + i % G).
-// kD > 0: the head dim fixed at compile time, so the loops over it unroll (and the scores run
-// as vectors, see Scores); 0: any head dim.
+// kD > 0: the head dim fixed at compile time, so the loops over it unroll (and run as vectors,
+// see Scores); 0: any head dim.
 template <typename KV, int kD>
 void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cache,
                 const KV* v_cache, const int32_t* seq_lens, const int32_t* block_tables,
                 const int32_t* query_start_loc, int64_t r, int64_t h, float* out) {
+  using jaxserve::kLanes;
+  using jaxserve::Vec;
   const int64_t D = kD > 0 ? kD : s.D, BS = s.BS, G = s.G;
   const int64_t q_start = query_start_loc[r];
   const int64_t q_len = query_start_loc[r + 1] - q_start;
   const int64_t n = q_len * G;
-  // A row's scores for a page, in whole vectors (lanes past the visible ones hold kMaskValue).
-  const int64_t scores_per_row = BS + jaxserve::kLanes;
-  std::vector<float> qv(n * D), acc(n * D, 0.f), m(n, kMaskValue), l(n, 0.f),
-      sc(n * scores_per_row);
-  std::vector<int64_t> hi(n), lo(n);
+  // Per thread, reused by its items: a decode's work is too small to pay for allocations.
+  thread_local std::vector<float> qv, acc, sums, scores, k_buf, v_buf;
+  thread_local std::vector<int64_t> hi, lo;
+  qv.resize(n * D);
+  acc.assign(n * D, 0.f);
+  sums.resize(n);
+  hi.resize(n);
+  lo.resize(n);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = i / G;
     const float* src = q + ((q_start + row) * s.Hq + h * G + i % G) * D;
@@ -126,7 +169,7 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
     hi[i] = seq_lens[r] - q_len + 1 + row;  // the KV this row sees ends here (exclusive)
     lo[i] = p.window > 0 ? std::max<int64_t>(hi[i] - p.window, 0) : 0;
   }
-  const int64_t first = *std::min_element(lo.begin(), lo.end());
+  const int64_t first_page = *std::min_element(lo.begin(), lo.end()) / BS;
   // Indices are clamped into range as XLA's gathers clamp them: bad metadata reads the wrong
   // KV, never outside the cache.
   const int64_t last = std::min(*std::max_element(hi.begin(), hi.end()), s.P * BS);
@@ -137,59 +180,72 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   // Pages two ahead are read into L2 while this one is worked on, unless one simply follows
   // the page before it in memory: the hardware's prefetcher follows a request whose blocks are
   // consecutive, and a burst of prefetches on top of it only slows it.
-  const auto prefetch = [&](int64_t page) {
-    const int64_t base = (head_base + block_of(page)) * BS * D;
-    for (int64_t j = 0; j < BS * D * static_cast<int64_t>(sizeof(KV)); j += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(k_cache + base) + j, 0, 2);
-      __builtin_prefetch(reinterpret_cast<const char*>(v_cache + base) + j, 0, 2);
-    }
-  };
-  if ((first / BS + 1) * BS < last) prefetch(first / BS + 1);
-  std::vector<float> k_buf, v_buf;
-  for (int64_t page = first / BS; page * BS < last; ++page) {
-    const int64_t block = block_of(page);
+  const auto page_of = [&](const KV* cache, int64_t page, std::vector<float>& buf) {
     if ((page + 2) * BS < last && block_of(page + 2) != block_of(page + 1) + 1) {
-      prefetch(page + 2);
+      const auto* ahead = reinterpret_cast<const char*>(cache + (head_base + block_of(page + 2))
+                                                        * BS * D);
+      for (int64_t j = 0; j < BS * D * static_cast<int64_t>(sizeof(KV)); j += 64) {
+        __builtin_prefetch(ahead + j, 0, 2);
+      }
     }
-    const float* kp = PageAsFloat(k_cache + (head_base + block) * BS * D, BS * D, k_buf);
-    const float* vp = PageAsFloat(v_cache + (head_base + block) * BS * D, BS * D, v_buf);
+    return PageAsFloat(cache + (head_base + block_of(page)) * BS * D, BS * D, buf);
+  };
+  // Row i's scores of positions [first_page * BS, last) in whole vectors; positions it does not
+  // see (before its window, from its end on) hold kMaskValue, so the softmax gives them 0.
+  const int64_t base = first_page * BS;
+  const int64_t width = (last - base + 2 * kLanes - 1) / kLanes * kLanes;
+  scores.assign(n * width, kMaskValue);
+  for (int64_t page = first_page; page * BS < last; ++page) {
+    const float* kp = page_of(k_cache, page, k_buf);
     const int64_t pos0 = page * BS;
     for (int64_t i = 0; i < n; ++i) {
       // The row sees positions [t0, t1) of this page: nothing else of it is used (Scores may
       // read past t1, and masks it), so slots past seq_len and outside the window may hold
-      // anything.
+      // anything. A vector that runs past the page masks the next page's first positions,
+      // which that page then writes.
       const int64_t t0 = std::max<int64_t>(lo[i] - pos0, 0);
       const int64_t t1 = std::min<int64_t>(hi[i] - pos0, BS);
-      if (t0 >= t1) continue;
-      float* si = &sc[i * scores_per_row];
-      const float* qi = &qv[i * D];
-      for (int64_t c = t0; c < t1; c += jaxserve::kLanes) {
-        jaxserve::Store(si + c, Scores<kD>(qi, kp, D, c, std::min(t1, c + jaxserve::kLanes), BS));
+      float* si = &scores[i * width + pos0 - base];
+      for (int64_t c = t0; c < t1; c += kLanes) {
+        jaxserve::Store(si + c, Scores<kD>(&qv[i * D], kp, D, c, std::min(t1, c + kLanes), BS));
       }
       if (p.soft_cap > 0.f) {
         for (int64_t t = t0; t < t1; ++t) si[t] = p.soft_cap * std::tanh(si[t] / p.soft_cap);
       }
-      jaxserve::Vec page_max = jaxserve::Vec{} + kMaskValue;
-      for (int64_t c = t0; c < t1; c += jaxserve::kLanes) {
-        page_max = jaxserve::Max(page_max, jaxserve::Load(si + c));
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {  // scores -> exp(score - the row's max), and their sum
+    float* si = &scores[i * width];
+    const int64_t seen = std::clamp<int64_t>(std::min(hi[i], last) - base, 0, width);
+    const int64_t end = (seen + kLanes - 1) / kLanes * kLanes;
+    Vec row_max = Vec{} + kMaskValue;
+    for (int64_t c = 0; c < end; c += kLanes) {
+      row_max = jaxserve::Max(row_max, jaxserve::Load(si + c));
+    }
+    const float m = jaxserve::LaneMax(row_max);
+    Vec total{};
+    for (int64_t c = 0; c < end; c += kLanes) {
+      const Vec e = jaxserve::ExpNonPositive(jaxserve::Load(si + c) - m);
+      jaxserve::Store(si + c, e);
+      total += e;
+    }
+    sums[i] = jaxserve::LaneSum(total);
+  }
+  for (int64_t page = first_page; page * BS < last; ++page) {
+    const float* vp = page_of(v_cache, page, v_buf);
+    const int64_t pos0 = page * BS;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t0 = std::max<int64_t>(lo[i] - pos0, 0);
+      const int64_t t1 = std::min<int64_t>(hi[i] - pos0, BS);
+      if (t0 < t1) {
+        AccumulateValues<kD>(&acc[i * D], &scores[i * width + pos0 - base], vp, D, t0, t1);
       }
-      const float m_new = std::max(m[i], jaxserve::LaneMax(page_max));
-      const float scale = std::exp(m[i] - m_new);
-      jaxserve::Vec sums{};
-      for (int64_t c = t0; c < t1; c += jaxserve::kLanes) {
-        const jaxserve::Vec e = jaxserve::ExpNonPositive(jaxserve::Load(si + c) - m_new);
-        jaxserve::Store(si + c, e);
-        sums += e;
-      }
-      const float sum = jaxserve::LaneSum(sums);
-      AccumulateValues<kD>(&acc[i * D], scale, si, vp, D, t0, t1);
-      l[i] = l[i] * scale + sum;
-      m[i] = m_new;
     }
   }
   for (int64_t i = 0; i < n; ++i) {
     float* dst = out + ((q_start + i / G) * s.Hq + h * G + i % G) * D;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    // A row that sees nothing (a padding decode) has no scores: sum 0, output 0.
+    const float inv = sums[i] > 0.f ? 1.f / sums[i] : 0.f;
     for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv;
   }
 }
@@ -208,8 +264,9 @@ void Attend(const Shape& s, const Params& p, const float* q, const void* k_cache
   if (count == 0) return;
   const auto* k = static_cast<const KV*>(k_cache);
   const auto* v = static_cast<const KV*>(v_cache);
-  const auto item_fn = s.D == 64 ? AttendItem<KV, 64> : s.D == 128 ? AttendItem<KV, 128>
-                                                                    : AttendItem<KV, 0>;
+  const auto item_fn = s.D == 8 ? AttendItem<KV, 8> : s.D == 16 ? AttendItem<KV, 16>
+                     : s.D == 32 ? AttendItem<KV, 32> : s.D == 64 ? AttendItem<KV, 64>
+                     : s.D == 128 ? AttendItem<KV, 128> : AttendItem<KV, 0>;
   jaxserve::ParallelFor(pool, count, [&](int64_t item) {
     item_fn(s, p, q, k, v, seq_lens, block_tables, query_start_loc, decodes[item / s.Hkv],
             item % s.Hkv, out);

@@ -69,6 +69,15 @@ CONFIGS = {
     "bf16-d64-g2-window-softcap": Config("bfloat16", 64, 4, 2, sliding_window=40, soft_cap=10.0),
 }
 
+# The native CPU kernel's other head dims: 8 (stories260K's) takes two keys a vector, 16 and 32
+# its whole-vector path, 24 its generic one.
+CPU_CONFIGS = {
+    "f32-d8-g2": Config("float32", 8, 8, 4),
+    "bf16-d16-g4-window": Config("bfloat16", 16, 4, 1, sliding_window=20),
+    "f32-d32-g1-softcap": Config("float32", 32, 2, 2, soft_cap=5.0),
+    "f32-d24-g2-window": Config("float32", 24, 4, 2, sliding_window=33),
+}
+
 # A request: (q_len, kv_len, shares_prefix_with_previous_request).
 Batch = tuple[tuple[tuple[int, int, bool], ...], int]
 
@@ -128,7 +137,7 @@ def make_inputs(cfg: Config, batch: Batch) -> Inputs:
 
 @functools.cache
 def compiled(kernel: str, name: str) -> Callable[..., jax.Array]:
-    cfg = CONFIGS[name]
+    cfg = {**CONFIGS, **CPU_CONFIGS}[name]
     kw = dict(sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
               soft_cap=cfg.soft_cap)
     if kernel == "reference":
@@ -152,7 +161,19 @@ def max_error(out: jax.Array, ref: jax.Array, n: int, dtype: str) -> float:
 @example(batch=MIXED)
 @given(batch=ragged_batches())
 def test_kernel_matches_reference_on_ragged_batches(kernel: str, name: str, batch: Batch) -> None:
-    cfg = CONFIGS[name]
+    check_against_reference(kernel, name, CONFIGS[name], batch)
+
+
+@pytest.mark.parametrize("name", list(CPU_CONFIGS))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(batch=DECODE_ONLY)
+@example(batch=MIXED)
+@given(batch=ragged_batches())
+def test_cpu_kernel_matches_reference_at_other_head_dims(name: str, batch: Batch) -> None:
+    check_against_reference("cpu", name, CPU_CONFIGS[name], batch)
+
+
+def check_against_reference(kernel: str, name: str, cfg: Config, batch: Batch) -> None:
     inputs = make_inputs(cfg, batch)
     out = compiled(kernel, name)(*inputs.args)
     ref = compiled("reference", name)(*inputs.args)
@@ -162,12 +183,12 @@ def test_kernel_matches_reference_on_ragged_batches(kernel: str, name: str, batc
     assert err <= TOLERANCE[cfg.dtype][0], f"{kernel} {name}: error {err} over tolerance"
 
 
-@pytest.mark.parametrize("kernel", list(KERNELS))
-def test_kernel_reads_only_the_visible_kv_of_its_layer(kernel: str) -> None:
+@pytest.mark.parametrize(("kernel", "name"), [(k, "f32-d64-g1") for k in KERNELS]
+                         + [("cpu", "f32-d8-g2")])
+def test_kernel_reads_only_the_visible_kv_of_its_layer(kernel: str, name: str) -> None:
     """NaN everywhere a request must not look (the other layer, blocks no request uses, the null
     block, stale table entries, slots past seq_len, padding query rows) changes nothing."""
-    name = "f32-d64-g1"
-    cfg = CONFIGS[name]
+    cfg = {**CONFIGS, **CPU_CONFIGS}[name]
     batch: Batch = (((1, 37, False), (7, 21, False), (10, 10, False), (1, 128, False)), 4)
     if kernel == "cpu":  # decodes only: its tiles are the xla backend's, whose masked
         # probabilities (zeros) still multiply whatever V holds there
