@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_parallel_for.h"
@@ -190,6 +191,11 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
     }
     return PageAsFloat(cache + (head_base + block_of(page)) * BS * D, BS * D, buf);
   };
+  // The positions [t0, t1) of the page starting at pos0 that row i sees.
+  const auto seen_in_page = [&](int64_t i, int64_t pos0) {
+    return std::pair<int64_t, int64_t>(std::max<int64_t>(lo[i] - pos0, 0),
+                                       std::min<int64_t>(hi[i] - pos0, BS));
+  };
   // Row i's scores of positions [first_page * BS, last) in whole vectors; positions it does not
   // see (before its window, from its end on) hold kMaskValue, so the softmax gives them 0.
   const int64_t base = first_page * BS;
@@ -199,12 +205,10 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
     const float* kp = page_of(k_cache, page, k_buf);
     const int64_t pos0 = page * BS;
     for (int64_t i = 0; i < n; ++i) {
-      // The row sees positions [t0, t1) of this page: nothing else of it is used (Scores may
-      // read past t1, and masks it), so slots past seq_len and outside the window may hold
-      // anything. A vector that runs past the page masks the next page's first positions,
-      // which that page then writes.
-      const int64_t t0 = std::max<int64_t>(lo[i] - pos0, 0);
-      const int64_t t1 = std::min<int64_t>(hi[i] - pos0, BS);
+      // Nothing of the page but [t0, t1) is used (Scores may read past t1, and masks it), so
+      // slots past seq_len and outside the window may hold anything. A vector that runs past
+      // the page masks the next page's first positions, which that page then writes.
+      const auto [t0, t1] = seen_in_page(i, pos0);
       float* si = &scores[i * width + pos0 - base];
       for (int64_t c = t0; c < t1; c += kLanes) {
         jaxserve::Store(si + c, Scores<kD>(&qv[i * D], kp, D, c, std::min(t1, c + kLanes), BS));
@@ -235,8 +239,7 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
     const float* vp = page_of(v_cache, page, v_buf);
     const int64_t pos0 = page * BS;
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t t0 = std::max<int64_t>(lo[i] - pos0, 0);
-      const int64_t t1 = std::min<int64_t>(hi[i] - pos0, BS);
+      const auto [t0, t1] = seen_in_page(i, pos0);
       if (t0 < t1) {
         AccumulateValues<kD>(&acc[i * D], &scores[i * width + pos0 - base], vp, D, t0, t1);
       }
