@@ -42,7 +42,7 @@ class SpeculationSwitch:
         way = self.on
         if not self._exploring:
             self._steps[way] += 1
-            if self._steps[way] == self.window * self.hold << min(self._same_winner, 3):
+            if self._steps[way] == self.window * self.hold * 2 ** min(self._same_winner, 3):
                 self._reset(exploring=True)  # measure again, the held way first
             return self.on
         self._in_a_row += 1
