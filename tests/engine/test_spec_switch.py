@@ -70,7 +70,8 @@ def test_a_step_that_returned_no_tokens_is_not_counted():
 
 def test_the_first_steps_of_a_turn_are_not_counted():
     """With async scheduling a turn's first step returns the other way's tokens: a switch that
-    counted them would credit drafting with the tokens of the steps before it."""
+    counted them would credit each way with the other's last step (here: not drafting with a
+    drafting step's 50 tokens, and it would win)."""
     switch = SpeculationSwitch(window=2, hold=3, stride=3, settle=1)
     # Every turn's first step is an outlier (what the way before it left); the rest are honest.
     ways = run(switch, 6, lambda on, i: 50.0 if i % 3 == 0 and not on else (10.0 if on else 6.0))
