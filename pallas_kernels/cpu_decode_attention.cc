@@ -59,25 +59,14 @@ jaxserve::Vec Scores(const float* q, const float* page, int64_t D, int64_t c, in
   const jaxserve::IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   if constexpr (kD == 8) {
     if (c + kLanes <= BS) {
-      // Vector j: key c + 2j in lanes 0-7, key c + 2j + 1 in lanes 8-15. Three folds sum each
-      // key's 8 products into one lane, key k in the lane of k's 4 bits reversed (the order
-      // LaneSums folds into); the shuffle puts key k in lane k.
+      // Product j: key c + 2j in lanes 0-7, key c + 2j + 1 in lanes 8-15.
       float q_twice[kLanes];
       std::memcpy(q_twice, q, 8 * sizeof(float));
       std::memcpy(q_twice + 8, q, 8 * sizeof(float));
       const Vec qv = jaxserve::Load(q_twice);
-      Vec products[8], quarters[4], halves[2];
+      Vec products[8];
       for (int j = 0; j < 8; ++j) products[j] = qv * jaxserve::Load(page + (c + 2 * j) * 8);
-      for (int j = 0; j < 4; ++j) {
-        quarters[j] = jaxserve::FoldPair<4>(products[2 * j], products[2 * j + 1]);
-      }
-      for (int j = 0; j < 2; ++j) {
-        halves[j] = jaxserve::FoldPair<2>(quarters[2 * j], quarters[2 * j + 1]);
-      }
-      const Vec folded = jaxserve::FoldPair<1>(halves[0], halves[1]);
-      const Vec dots = __builtin_shufflevector(folded, folded, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9,
-                                               5, 13, 3, 11, 7, 15);
-      return lane < count ? dots : Vec{} + kMaskValue;
+      return lane < count ? jaxserve::HalfLaneSums(products) : Vec{} + kMaskValue;
     }
   }
   if constexpr (kD > 0 && kD % kLanes == 0) {
@@ -114,11 +103,11 @@ void AccumulateValues(float* acc, const float* weights, const float* page, int64
   using jaxserve::kLanes;
   using jaxserve::Vec;
   if constexpr (kD == 8) {  // two keys a vector, as in Scores; the halves are added at the end
-    const jaxserve::IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     Vec a{};
     int64_t t = t0;
     for (; t + 1 < t1; t += 2) {
-      a += (lane < 8 ? Vec{} + weights[t] : Vec{} + weights[t + 1]) * jaxserve::Load(page + t * 8);
+      a += jaxserve::Halves(Vec{} + weights[t], Vec{} + weights[t + 1])
+           * jaxserve::Load(page + t * 8);
     }
     float sums[kLanes];
     jaxserve::Store(sums, a);

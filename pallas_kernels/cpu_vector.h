@@ -64,16 +64,40 @@ inline Vec FoldHalf(Vec x, Vec y) {
 template <int c>
 inline Vec FoldPair(Vec x, Vec y) { return FoldHalf<c, 0>(x, y) + FoldHalf<c, 1>(x, y); }
 
+// j with its 4 bits reversed: the lane the folds below leave the sum of input j in.
+constexpr int kBitReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
 // Lane j of the result is the sum of v[j]'s lanes: 16 horizontal sums in 15 adds and 30
 // shuffles, where one at a time takes 4 adds and 4 shuffles each. The folds leave the sums in
 // bit-reversed order, so the inputs are taken in that order.
 inline Vec LaneSums(const Vec (&v)[kLanes]) {
-  constexpr int kReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
   Vec h[8], q[4], e[2];
-  for (int j = 0; j < 8; ++j) h[j] = FoldPair<8>(v[kReversed[2 * j]], v[kReversed[2 * j + 1]]);
+  for (int j = 0; j < 8; ++j) {
+    h[j] = FoldPair<8>(v[kBitReversed[2 * j]], v[kBitReversed[2 * j + 1]]);
+  }
   for (int j = 0; j < 4; ++j) q[j] = FoldPair<4>(h[2 * j], h[2 * j + 1]);
   for (int j = 0; j < 2; ++j) e[j] = FoldPair<2>(q[2 * j], q[2 * j + 1]);
   return FoldPair<1>(e[0], e[1]);
+}
+
+// Lane k of the result is the sum of the 8 lanes that hold item k, where v[j] holds item 2j in
+// lanes 0-7 and item 2j + 1 in lanes 8-15: LaneSums' last three folds, then one shuffle from
+// their bit-reversed order.
+inline Vec HalfLaneSums(const Vec (&v)[8]) {
+  Vec q[4], e[2];
+  for (int j = 0; j < 4; ++j) q[j] = FoldPair<4>(v[2 * j], v[2 * j + 1]);
+  for (int j = 0; j < 2; ++j) e[j] = FoldPair<2>(q[2 * j], q[2 * j + 1]);
+  const Vec folded = FoldPair<1>(e[0], e[1]);
+  return __builtin_shufflevector(
+      folded, folded, kBitReversed[0], kBitReversed[1], kBitReversed[2], kBitReversed[3],
+      kBitReversed[4], kBitReversed[5], kBitReversed[6], kBitReversed[7], kBitReversed[8],
+      kBitReversed[9], kBitReversed[10], kBitReversed[11], kBitReversed[12], kBitReversed[13],
+      kBitReversed[14], kBitReversed[15]);
+}
+
+// Lanes 0-7 from a, lanes 8-15 from b.
+inline Vec Halves(Vec a, Vec b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
 // e^x for x <= 0, within 4 ulp of expf; 0 below -86 (where e^x nears the smallest normal float).
