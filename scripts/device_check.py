@@ -1,7 +1,9 @@
-"""On a lent TPU/GPU: executables built ahead of time load and run there. Builds a compiled
-directory for the shipped model on this device (`jaxserve compile`), starts an engine from it
-in strict mode, and checks that it compiles nothing and gives the tokens of a cold engine. The
-kernels' own check (numerics and bandwidth against the HBM peak) is scripts/bench_attention.py.
+"""On a lent TPU/GPU: the engine's device path serves the shipped model. A cold engine on the
+default attention backend (the Pallas kernel on TPU and GPU) must give the greedy tokens of one on
+the pure-JAX `xla` backend; then a compiled directory is built for this device (`jaxserve
+compile`), an engine started from it in strict mode must compile nothing and give the cold
+engine's tokens. The kernels' own check (numerics and bandwidth against the HBM peak) is
+scripts/bench_attention.py; scripts/device_gpu_check.sh runs both on a lent GPU.
 
     python scripts/device_check.py [--target ../shared/gpu_targets/h200.txtpb]
 
@@ -42,6 +44,7 @@ def main() -> int:
     model = default_model_path()
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})")
     cold = LLM(model, precompile=True, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
+    xla = LLM(model, attention_backend="xla", **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
     with tempfile.TemporaryDirectory() as out:
         config = EngineConfig.from_kwargs(model=model, **ENGINE)
         _, n = (aot.build_on_host(config, out) if args.target is None else aot.build_for_target(
@@ -53,7 +56,10 @@ def main() -> int:
         llm = LLM(model, compiled_dir=out, precompile=True, strict_compile=True, **ENGINE)
         warm = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     same = [a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(cold, warm)]
-    checks = {f"{n} programs loaded, compilations after loading: {len(compiles)}": not compiles,
+    as_xla = [a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(cold, xla)]
+    checks = {f"default backend gives the xla backend's greedy tokens: {sum(as_xla)}/{len(as_xla)}":
+              all(as_xla),
+              f"{n} programs loaded, compilations after loading: {len(compiles)}": not compiles,
               f"same greedy tokens as a cold engine: {sum(same)}/{len(same)}": all(same)}
     for what, ok in checks.items():
         print(("PASS " if ok else "FAIL ") + what)
