@@ -45,11 +45,38 @@ struct Params {
   int32_t layer;
 };
 
+// kRows rows' scores (row r's query at q + r * D, its scores at out + r * stride) of the 16
+// keys from row c of a page whose head dim is whole vectors: each dot is a vector along the head
+// dim, and 16 of them are summed across lanes at once. Each key vector is loaded once for all
+// the rows. Lanes from `count` on hold kMaskValue.
+template <int kD, int kRows>
+void VectorScores(const float* q, const float* page, int64_t c, int32_t count, float* out,
+                  int64_t stride) {
+  using jaxserve::kLanes;
+  using jaxserve::Vec;
+  const jaxserve::IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  Vec qv[kRows][kD / kLanes], dots[kRows][kLanes];
+  for (int r = 0; r < kRows; ++r) {
+    for (int j = 0; j < kD / kLanes; ++j) qv[r][j] = jaxserve::Load(q + r * kD + j * kLanes);
+  }
+  for (int t = 0; t < kLanes; ++t) {
+    const float* k = page + (c + t) * kD;
+    for (int r = 0; r < kRows; ++r) dots[r][t] = Vec{};
+    for (int j = 0; j < kD / kLanes; ++j) {
+      const Vec kv = jaxserve::Load(k + j * kLanes);
+      for (int r = 0; r < kRows; ++r) dots[r][t] += qv[r][j] * kv;
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    jaxserve::Store(out + r * stride + c,
+                    lane < count ? jaxserve::LaneSums(dots[r]) : Vec{} + kMaskValue);
+  }
+}
+
 // Row q's scores (q . k for key rows [c, end) of the page, end - c <= 16) in a vector's first
-// lanes, kMaskValue in the rest. With 16 rows left in the page (rows past `end` are read, then
-// masked), a head dim of whole vectors takes each dot as a vector along the head dim and sums
-// 16 of them across lanes at once, and a head dim of 8 takes two keys a vector; otherwise one
-// dot at a time.
+// lanes, kMaskValue in the rest, when VectorScores does not apply. With 16 rows left in the
+// page (rows past `end` are read, then masked), a head dim of 8 takes two keys a vector;
+// otherwise one dot at a time.
 template <int kD>
 jaxserve::Vec Scores(const float* q, const float* page, int64_t D, int64_t c, int64_t end,
                      int64_t BS) {
@@ -69,19 +96,6 @@ jaxserve::Vec Scores(const float* q, const float* page, int64_t D, int64_t c, in
       return lane < count ? jaxserve::HalfLaneSums(products) : Vec{} + kMaskValue;
     }
   }
-  if constexpr (kD > 0 && kD % kLanes == 0) {
-    if (c + kLanes <= BS) {
-      Vec qv[kD / kLanes], dots[kLanes];
-      for (int j = 0; j < kD / kLanes; ++j) qv[j] = jaxserve::Load(q + j * kLanes);
-      for (int t = 0; t < kLanes; ++t) {
-        const float* k = page + (c + t) * kD;
-        Vec dot = qv[0] * jaxserve::Load(k);
-        for (int j = 1; j < kD / kLanes; ++j) dot += qv[j] * jaxserve::Load(k + j * kLanes);
-        dots[t] = dot;
-      }
-      return lane < count ? jaxserve::LaneSums(dots) : Vec{} + kMaskValue;
-    }
-  }
   const int64_t dim = kD > 0 ? kD : D;
   float scores[kLanes];
   for (int32_t t = 0; t < kLanes; ++t) {
@@ -96,7 +110,51 @@ jaxserve::Vec Scores(const float* q, const float* page, int64_t D, int64_t c, in
   return jaxserve::Load(scores);
 }
 
-// acc += the sum over key rows t in [t0, t1) of weights[t] * the page's v[t].
+// `rows` (1 or 2) rows' scores of key rows [c, end) of the page, as VectorScores lays them out.
+template <int kD>
+void ScoreRows(int64_t rows, const float* q, const float* page, int64_t D, int64_t c,
+               int64_t end, int64_t BS, float* out, int64_t stride) {
+  using jaxserve::kLanes;
+  if constexpr (kD > 0 && kD % kLanes == 0) {
+    if (c + kLanes <= BS) {
+      const int32_t count = static_cast<int32_t>(end - c);
+      return rows == 2 ? VectorScores<kD, 2>(q, page, c, count, out, stride)
+                       : VectorScores<kD, 1>(q, page, c, count, out, stride);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    jaxserve::Store(out + r * stride + c, Scores<kD>(q + r * D, page, D, c, end, BS));
+  }
+}
+
+// For each of kRows rows r: acc + r * kD += the sum over key rows t in [t0, t1) of
+// weights[r * stride + t] * the page's v[t], the head dim whole vectors. Each value vector is
+// loaded once for all the rows.
+template <int kD, int kRows>
+void VectorValues(float* acc, const float* weights, int64_t stride, const float* page,
+                  int64_t t0, int64_t t1) {
+  using jaxserve::kLanes;
+  using jaxserve::Vec;
+  Vec a[kRows][kD / kLanes];  // in registers across t
+  for (int r = 0; r < kRows; ++r) {
+    for (int j = 0; j < kD / kLanes; ++j) a[r][j] = jaxserve::Load(acc + r * kD + j * kLanes);
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    Vec w[kRows];
+    for (int r = 0; r < kRows; ++r) w[r] = Vec{} + weights[r * stride + t];
+    const float* v = page + t * kD;
+    for (int j = 0; j < kD / kLanes; ++j) {
+      const Vec vv = jaxserve::Load(v + j * kLanes);
+      for (int r = 0; r < kRows; ++r) a[r][j] += w[r] * vv;
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int j = 0; j < kD / kLanes; ++j) jaxserve::Store(acc + r * kD + j * kLanes, a[r][j]);
+  }
+}
+
+// acc += the sum over key rows t in [t0, t1) of weights[t] * the page's v[t], when
+// VectorValues does not apply.
 template <int kD>
 void AccumulateValues(float* acc, const float* weights, const float* page, int64_t D,
                       int64_t t0, int64_t t1) {
@@ -114,15 +172,6 @@ void AccumulateValues(float* acc, const float* weights, const float* page, int64
     for (int d = 0; d < 8; ++d) {
       acc[d] += sums[d] + sums[d + 8] + (t < t1 ? weights[t] * page[t * 8 + d] : 0.f);
     }
-  } else if constexpr (kD > 0 && kD % kLanes == 0) {
-    Vec a[kD / kLanes];  // in registers across t
-    for (int j = 0; j < kD / kLanes; ++j) a[j] = jaxserve::Load(acc + j * kLanes);
-    for (int64_t t = t0; t < t1; ++t) {
-      const Vec w = Vec{} + weights[t];
-      const float* v = page + t * kD;
-      for (int j = 0; j < kD / kLanes; ++j) a[j] += w * jaxserve::Load(v + j * kLanes);
-    }
-    for (int j = 0; j < kD / kLanes; ++j) jaxserve::Store(acc + j * kLanes, a[j]);
   } else {
     const int64_t dim = kD > 0 ? kD : D;
     for (int64_t t = t0; t < t1; ++t) {
@@ -131,9 +180,22 @@ void AccumulateValues(float* acc, const float* weights, const float* page, int64
   }
 }
 
+// `rows` (1 or 2) rows' values: acc and weights laid out as in VectorValues.
+template <int kD>
+void AccumulateRows(int64_t rows, float* acc, const float* weights, int64_t stride,
+                    const float* page, int64_t D, int64_t t0, int64_t t1) {
+  if constexpr (kD > 0 && kD % jaxserve::kLanes == 0) {
+    return rows == 2 ? VectorValues<kD, 2>(acc, weights, stride, page, t0, t1)
+                     : VectorValues<kD, 1>(acc, weights, stride, page, t0, t1);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    AccumulateValues<kD>(acc + r * D, weights + r * stride, page, D, t0, t1);
+  }
+}
+
 // One (request, KV head): rows n = q_len * G, row i = (query row i / G, head h * G + i % G).
 // kD > 0: the head dim fixed at compile time, so the loops over it unroll (and run as vectors,
-// see Scores); 0: any head dim.
+// see ScoreRows); 0: any head dim.
 template <typename KV, int kD>
 void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cache,
                 const KV* v_cache, const int32_t* seq_lens, const int32_t* block_tables,
@@ -185,6 +247,11 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
     return std::pair<int64_t, int64_t>(std::max<int64_t>(lo[i] - pos0, 0),
                                        std::min<int64_t>(hi[i] - pos0, BS));
   };
+  // Rows go two at a time where both see the same positions (the G heads of a query row), so
+  // that each key and value vector is read from the page once for both.
+  const auto rows_at = [&](int64_t i) -> int64_t {
+    return i + 1 < n && lo[i] == lo[i + 1] && hi[i] == hi[i + 1] ? 2 : 1;
+  };
   // Row i's scores of positions [first_page * BS, last) in whole vectors; positions it does not
   // see (before its window, from its end on) hold kMaskValue, so the softmax gives them 0.
   const int64_t base = first_page * BS;
@@ -193,17 +260,21 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   for (int64_t page = first_page; page * BS < last; ++page) {
     const float* kp = page_of(k_cache, page, k_buf);
     const int64_t pos0 = page * BS;
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n; i += rows_at(i)) {
       // Nothing of the page but [t0, t1) is used (Scores may read past t1, and masks it), so
       // slots past seq_len and outside the window may hold anything. A vector that runs past
       // the page masks the next page's first positions, which that page then writes.
       const auto [t0, t1] = seen_in_page(i, pos0);
       float* si = &scores[i * width + pos0 - base];
       for (int64_t c = t0; c < t1; c += kLanes) {
-        jaxserve::Store(si + c, Scores<kD>(&qv[i * D], kp, D, c, std::min(t1, c + kLanes), BS));
+        ScoreRows<kD>(rows_at(i), &qv[i * D], kp, D, c, std::min(t1, c + kLanes), BS, si, width);
       }
       if (p.soft_cap > 0.f) {
-        for (int64_t t = t0; t < t1; ++t) si[t] = p.soft_cap * std::tanh(si[t] / p.soft_cap);
+        for (int64_t r = 0; r < rows_at(i); ++r) {
+          for (int64_t t = t0; t < t1; ++t) {
+            si[r * width + t] = p.soft_cap * std::tanh(si[r * width + t] / p.soft_cap);
+          }
+        }
       }
     }
   }
@@ -227,10 +298,11 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   for (int64_t page = first_page; page * BS < last; ++page) {
     const float* vp = page_of(v_cache, page, v_buf);
     const int64_t pos0 = page * BS;
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n; i += rows_at(i)) {
       const auto [t0, t1] = seen_in_page(i, pos0);
       if (t0 < t1) {
-        AccumulateValues<kD>(&acc[i * D], &scores[i * width + pos0 - base], vp, D, t0, t1);
+        AccumulateRows<kD>(rows_at(i), &acc[i * D], &scores[i * width + pos0 - base], width, vp,
+                           D, t0, t1);
       }
     }
   }
