@@ -1,0 +1,65 @@
+"""Where the CPU KV cache lives: the step donates it, so decoding never moves (copies) it, and
+the worker puts it on 2 MiB pages once it exists (executor/huge_pages.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from engine_helpers import SMALL_ENGINE, random_prompts
+from jaxserve import LLMEngine, SamplingParams
+from jaxserve.executor.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages
+
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_page_bytes_in(address: int, nbytes: int) -> int:
+    """AnonHugePages of the mappings that overlap [address, address + nbytes), from smaps."""
+    total, overlaps = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            start, end = (int(x, 16) for x in span.groups())
+            overlaps = start < address + nbytes and address < end
+        elif overlaps and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def needs_huge_pages() -> None:
+    if not THP_ENABLED.exists() or "[never]" in THP_ENABLED.read_text():
+        pytest.skip("transparent huge pages are off on this machine")
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    if (major, minor) < (6, 1):
+        pytest.skip("MADV_COLLAPSE needs Linux 6.1")
+
+
+def test_advised_array_reports_only_pages_that_are_huge() -> None:
+    needs_huge_pages()
+    array = jnp.ones((8 * HUGE_PAGE_BYTES // 4,), jnp.float32)  # 16 MiB, faulted in on 4 KiB
+    address = array.unsafe_buffer_pointer()
+    collapsed = advise_huge_pages([array])
+    assert collapsed >= 4 * HUGE_PAGE_BYTES  # at most the two partial ends cannot move
+    assert huge_page_bytes_in(address, array.nbytes) >= collapsed
+    assert float(array.sum()) == array.size  # the data moved with its pages
+
+
+def test_decoding_keeps_the_kv_cache_in_place_on_huge_pages(llama, compile_cache_dir) -> None:
+    needs_huge_pages()
+    # 8192 blocks: 16 MiB of K and of V for the tiny Llama, so most of each is whole 2 MiB pages.
+    engine = LLMEngine.from_engine_args(model=str(llama), compilation_cache_dir=compile_cache_dir,
+                                        **{**SMALL_ENGINE, "num_kv_blocks": 8192})
+    runner = engine.core.executor.worker.runner
+    addresses = [cache.unsafe_buffer_pointer() for cache in (runner.k_cache, runner.v_cache)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(4, 5, 40, seed=41)):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for cache, address in zip((runner.k_cache, runner.v_cache), addresses, strict=True):
+        assert cache.unsafe_buffer_pointer() == address
+        assert huge_page_bytes_in(address, cache.nbytes) >= cache.nbytes // 2
