@@ -31,20 +31,22 @@ def advise_huge_pages(arrays: Iterable[jax.Array]) -> int:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    shards = [shard.data for array in arrays for shard in array.addressable_shards
+              if shard.device.platform == "cpu"]
+    # A buffer still being written (the caches' zero fill is dispatched asynchronously) does
+    # not collapse: madvise fails with EINVAL or EAGAIN.
+    jax.block_until_ready(shards)
     collapsed = 0
-    for array in arrays:
-        for shard in array.addressable_shards:
-            if shard.device.platform != "cpu":
-                continue
-            address = shard.data.unsafe_buffer_pointer()
-            start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-            end = (address + shard.data.nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-            if end <= start or libc.madvise(start, end - start, _MADV_HUGEPAGE) != 0:
-                continue
-            # One 2 MiB page at a time: a page that cannot move (memory too fragmented) fails
-            # alone instead of the whole range.
-            for page in range(start, end, HUGE_PAGE_BYTES):
-                if libc.madvise(page, HUGE_PAGE_BYTES, _MADV_COLLAPSE) == 0:
-                    collapsed += HUGE_PAGE_BYTES
+    for data in shards:
+        address = data.unsafe_buffer_pointer()
+        start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        end = (address + data.nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+        if end <= start or libc.madvise(start, end - start, _MADV_HUGEPAGE) != 0:
+            continue
+        # One 2 MiB page at a time: a page that cannot move (memory too fragmented) fails
+        # alone instead of the whole range.
+        for page in range(start, end, HUGE_PAGE_BYTES):
+            if libc.madvise(page, HUGE_PAGE_BYTES, _MADV_COLLAPSE) == 0:
+                collapsed += HUGE_PAGE_BYTES
     logger.debug("KV cache: %d MiB on huge pages", collapsed >> 20)
     return collapsed
