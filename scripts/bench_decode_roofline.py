@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from pathlib import Path
 
 import numpy as np
 
-from bench_common import (DUMMY_CONFIG_DIR, device_only_ms, fill_decoding, make_engine,
-                          markdown_table, timed_steps_ms, write_result)
+from bench_common import (DUMMY_CONFIG_DIR, device_only_ms, fill_decoding,
+                          last_level_cache_bytes, make_engine, markdown_table, timed_steps_ms,
+                          write_result)
 
 
 def measure_bandwidth(mib: int = 512, repeats: int = 5) -> dict[str, float]:
@@ -51,17 +51,6 @@ def measure_bandwidth(mib: int = 512, repeats: int = 5) -> dict[str, float]:
         read.append(time.perf_counter() - start)
     return {"numpy copy": 2 * src.nbytes / min(copy) / 1e9,
             "jax sum (read)": x.nbytes / min(read) / 1e9}
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache (Linux sysfs; 0 where unknown). A step whose bytes fit in it can
-    run faster than the DRAM bound: its weights stay in the cache from one step to the next."""
-    sizes = [0]
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        size = (index / "size").read_text().strip()
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        sizes.append(int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size))
-    return max(sizes)
 
 
 def measure_matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
