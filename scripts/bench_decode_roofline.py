@@ -175,8 +175,9 @@ def roofline_row(t: StepTime, gbps: float, gflops: float, cache_bytes: int) -> l
     roof = max(bound_ms, compute_ms)
     fits = " (fits cache)" if t.moved_bytes <= cache_bytes else ""
     return [t.backend, t.batch, t.context, t.step_ms, t.device_ms, t.weight_bytes / 2**20,
-            t.kv_bytes / 2**20, f"{bound_ms:.3g}{fits}", compute_ms, f"{100 * bound_ms / t.device_ms:.0f}%",
-            f"{100 * roof / t.device_ms:.0f}%", f"{100 * roof / t.step_ms:.0f}%"]
+            t.kv_bytes / 2**20, f"{bound_ms:.3g}{fits}", compute_ms,
+            f"{100 * bound_ms / t.device_ms:.0f}%", f"{100 * roof / t.device_ms:.0f}%",
+            f"{100 * roof / t.step_ms:.0f}%"]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compiled_dir import KV_INIT
 from jaxserve.executor.draft_model import FIELD as DRAFT_FIELD, load_draft, place_draft
-from jaxserve.executor.huge_pages import advise_huge_pages
+from jaxserve.executor.huge_pages import collapse_in_background
 from jaxserve.executor.mesh import rank_meshes
 from jaxserve.executor.model_runner import ModelRunner, PendingStep, dtype_of
 from jaxserve.executor.sharding import (
@@ -121,7 +121,8 @@ class Worker:
         executables = ({} if config.runner.compiled_dir is None
                        else self._load_compiled(config.runner.compiled_dir))
         k_cache, v_cache, *draft_kv = (executables.pop(KV_INIT, None) or self.kv_init)()
-        advise_huge_pages((k_cache, v_cache, *draft_kv))
+        # CPU caches move onto 2 MiB pages while the engine runs (huge_pages.py)
+        self.huge_pages = collapse_in_background((k_cache, v_cache, *draft_kv))
         self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend, self.mesh,
                                   self.max_model_len, cfg.eos_token_ids, self.draft,
                                   tuple(draft_kv) or None)

@@ -1,5 +1,5 @@
 """Where the CPU KV cache lives: the step donates it, so decoding never moves (copies) it, and
-the worker puts it on 2 MiB pages once it exists (executor/huge_pages.py)."""
+the worker moves it onto 2 MiB pages in the background once it exists (executor/huge_pages.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from engine_helpers import SMALL_ENGINE, random_prompts
 from jaxserve import LLMEngine, SamplingParams
-from jaxserve.executor.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages
+from jaxserve.executor.huge_pages import HUGE_PAGE_BYTES, collapse, huge_page_ranges
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -43,7 +43,7 @@ def test_advised_array_reports_only_pages_that_are_huge() -> None:
     needs_huge_pages()
     # 32 MiB, advised while its computation may still be writing it (dispatch is asynchronous)
     array = jax.random.normal(jax.random.key(0), (16 * HUGE_PAGE_BYTES // 4,), jnp.float32)
-    collapsed = advise_huge_pages([array])
+    collapsed = collapse(huge_page_ranges([array]))
     assert collapsed >= 14 * HUGE_PAGE_BYTES  # at most the two partial ends cannot move
     assert huge_page_bytes_in(array.unsafe_buffer_pointer(), array.nbytes) >= collapsed
     again = jax.random.normal(jax.random.key(0), array.shape, jnp.float32)
@@ -60,8 +60,11 @@ def test_decoding_keeps_the_kv_cache_in_place_on_huge_pages(llama, compile_cache
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(4, 5, 40, seed=41)):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests():  # while the caches move in the background
         engine.step()
+    mover = engine.core.executor.worker.huge_pages
+    mover.join(timeout=60)
+    assert not mover.is_alive()
     for cache, address in zip((runner.k_cache, runner.v_cache), addresses, strict=True):
         assert cache.unsafe_buffer_pointer() == address
         assert huge_page_bytes_in(address, cache.nbytes) >= cache.nbytes // 2
