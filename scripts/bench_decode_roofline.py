@@ -6,7 +6,9 @@ sequence's KV; at the machine's measured bandwidth that takes at least `bytes / 
 Bandwidth: the best of a numpy copy (bytes read + written) and a jitted jax reduction (bytes
 read) over arrays far larger than the caches. Compute: 2 FLOPs per weight per token plus the
 attention's 4 x heads x head_dim x context per layer and token, at the GFLOP/s of a large jitted
-float32 matmul.
+float32 matmul. Both rates are measured just before and just after each row's step timing and
+the better of the two is that row's bound: on a shared machine they swing by 2x over minutes,
+and a bound measured at another moment than the step says little about the step.
 
 Each attention backend (`--backends`, default the CPU's two: `cpu`, whose decodes and dense
 layers run in the native kernels, and the pure-JAX `xla`) gets its own engine, measured in the
@@ -68,6 +70,11 @@ def measure_matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def measure_rates() -> tuple[float, float]:
+    """(GB/s, GFLOP/s) of the machine now."""
+    return max(measure_bandwidth().values()), measure_matmul_gflops()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,32,64")
@@ -77,31 +84,26 @@ def main() -> None:
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    # The machine's rates, measured before and after the engines: on a shared machine noise
-    # only lowers a rate, so the best is the bound.
-    bandwidth, gflops = measure_bandwidth(), measure_matmul_gflops()
     steps = []
     for backend in args.backends.split(","):
         steps += measure_backend(backend, batches, contexts, args.steps)
-    bandwidth = {k: max(v, bandwidth[k]) for k, v in measure_bandwidth().items()}
-    gflops = max(gflops, measure_matmul_gflops())
-    gbps = max(bandwidth.values())
     cache = last_level_cache_bytes()
-    rows = [roofline_row(step, gbps, gflops, cache) for step in steps]
+    rows = [roofline_row(step, cache) for step in steps]
+    gbps, gflops = [t.gbps for t in steps], [t.gflops for t in steps]
 
     body = ("dummy ~30M Llama (8 layers, hidden 512, 4 KV heads x 64, vocab 8192), float32. "
-            "Memory bandwidth: "
-            + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items())
-            + f"; the bound uses {gbps:.1f} GB/s. Matmul: {gflops:.0f} GFLOP/s (jitted "
-            "1024x1024 float32). Both rates are the best of a measurement before the engines "
-            "run and one after. "
+            "Each row's bound uses the machine's rates measured just before and just after its "
+            "step timing, the better of the two (GB/s: the better of a numpy copy and a jax "
+            "sum over 512 MiB; GFLOP/s: a jitted 1024x1024 float32 matmul). Across rows they "
+            f"ranged {min(gbps):.1f}-{max(gbps):.1f} GB/s and {min(gflops):.0f}-"
+            f"{max(gflops):.0f} GFLOP/s. "
             + (f"Largest CPU cache: {cache / 2**20:.0f} MiB; a memory bound marked (fits cache) "
                "is not a bound: the step's bytes fit in the cache, so its weights need not come "
                "from DRAM each step." if cache else "CPU cache size unknown.")
             + "\n\n"
             + markdown_table(["attention backend", "batch", "context", "engine step ms",
-                              "device-only ms", "weights MiB", "KV MiB", "memory bound ms",
-                              "compute bound ms", "memory bound / device-only",
+                              "device-only ms", "weights MiB", "KV MiB", "GB/s", "GFLOP/s",
+                              "memory bound ms", "compute bound ms", "memory bound / device-only",
                               "roofline / device-only", "roofline / step"], rows)
             + "\n\ncontext = prompt tokens; the KV and attention FLOPs count each request's "
             "tokens at the measured step (the first requests decode while the last ones "
@@ -128,6 +130,8 @@ class StepTime:
     kv_bytes: int
     moved_bytes: int  # weights, the batch's embedding rows and its KV
     flops: float
+    gbps: float  # the machine's rates next to this row's timing
+    gflops: float
 
 
 def measure_backend(backend: str, batches: list[int], contexts: list[int],
@@ -153,8 +157,10 @@ def measure_backend(backend: str, batches: list[int], contexts: list[int],
         for b in batches:
             ids = fill_decoding(engine, b, ctx, cfg.vocab_size, prefix=f"b{b}c{ctx}-")
             timed_steps_ms(engine, 1)
+            before = measure_rates()
             step_ms = timed_steps_ms(engine, steps)["step"]
             device_ms = device_only_ms(engine, repeats=20)
+            gbps, gflops = (max(pair) for pair in zip(before, measure_rates()))
             running = engine.core.scheduler.running
             if len(running) != b:
                 raise RuntimeError(f"batch {b}: {len(running)} requests in the step")
@@ -163,19 +169,19 @@ def measure_backend(backend: str, batches: list[int], contexts: list[int],
             attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context_tokens
             measured.append(StepTime(backend, b, ctx, step_ms, device_ms, weight_bytes,
                                      kv_bytes, weight_bytes + b * embed_row_bytes + kv_bytes,
-                                     b * flops_per_token + attn_flops))
+                                     b * flops_per_token + attn_flops, gbps, gflops))
             engine.abort_request(ids)
             engine.step()
     return measured
 
 
-def roofline_row(t: StepTime, gbps: float, gflops: float, cache_bytes: int) -> list[object]:
-    bound_ms = t.moved_bytes / (gbps * 1e9) * 1e3
-    compute_ms = t.flops / (gflops * 1e9) * 1e3
+def roofline_row(t: StepTime, cache_bytes: int) -> list[object]:
+    bound_ms = t.moved_bytes / (t.gbps * 1e9) * 1e3
+    compute_ms = t.flops / (t.gflops * 1e9) * 1e3
     roof = max(bound_ms, compute_ms)
     fits = " (fits cache)" if t.moved_bytes <= cache_bytes else ""
     return [t.backend, t.batch, t.context, t.step_ms, t.device_ms, t.weight_bytes / 2**20,
-            t.kv_bytes / 2**20, f"{bound_ms:.3g}{fits}", compute_ms,
+            t.kv_bytes / 2**20, t.gbps, t.gflops, f"{bound_ms:.3g}{fits}", compute_ms,
             f"{100 * bound_ms / t.device_ms:.0f}%", f"{100 * roof / t.device_ms:.0f}%",
             f"{100 * roof / t.step_ms:.0f}%"]
 
