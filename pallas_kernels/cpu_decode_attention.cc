@@ -260,17 +260,18 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   for (int64_t page = first_page; page * BS < last; ++page) {
     const float* kp = page_of(k_cache, page, k_buf);
     const int64_t pos0 = page * BS;
-    for (int64_t i = 0; i < n; i += rows_at(i)) {
+    for (int64_t i = 0, rows; i < n; i += rows) {
+      rows = rows_at(i);
       // Nothing of the page but [t0, t1) is used (Scores may read past t1, and masks it), so
       // slots past seq_len and outside the window may hold anything. A vector that runs past
       // the page masks the next page's first positions, which that page then writes.
       const auto [t0, t1] = seen_in_page(i, pos0);
       float* si = &scores[i * width + pos0 - base];
       for (int64_t c = t0; c < t1; c += kLanes) {
-        ScoreRows<kD>(rows_at(i), &qv[i * D], kp, D, c, std::min(t1, c + kLanes), BS, si, width);
+        ScoreRows<kD>(rows, &qv[i * D], kp, D, c, std::min(t1, c + kLanes), BS, si, width);
       }
       if (p.soft_cap > 0.f) {
-        for (int64_t r = 0; r < rows_at(i); ++r) {
+        for (int64_t r = 0; r < rows; ++r) {
           for (int64_t t = t0; t < t1; ++t) {
             si[r * width + t] = p.soft_cap * std::tanh(si[r * width + t] / p.soft_cap);
           }
@@ -298,10 +299,11 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   for (int64_t page = first_page; page * BS < last; ++page) {
     const float* vp = page_of(v_cache, page, v_buf);
     const int64_t pos0 = page * BS;
-    for (int64_t i = 0; i < n; i += rows_at(i)) {
+    for (int64_t i = 0, rows; i < n; i += rows) {
+      rows = rows_at(i);
       const auto [t0, t1] = seen_in_page(i, pos0);
       if (t0 < t1) {
-        AccumulateRows<kD>(rows_at(i), &acc[i * D], &scores[i * width + pos0 - base], width, vp,
+        AccumulateRows<kD>(rows, &acc[i * D], &scores[i * width + pos0 - base], width, vp,
                            D, t0, t1);
       }
     }

@@ -218,10 +218,10 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
 def last_level_cache_bytes() -> int:
     """The largest CPU cache (Linux sysfs; 0 where unknown). A step whose bytes fit in it can
     run faster than the DRAM bound: its weights stay in the cache from one step to the next."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
     sizes = [0]
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         size = (index / "size").read_text().strip()
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
         sizes.append(int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size))
     return max(sizes)
 
