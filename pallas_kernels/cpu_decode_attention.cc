@@ -322,9 +322,16 @@ void Attend(const Shape& s, const Params& p, const float* q, const void* k_cache
             const int32_t* query_start_loc, float* out, ffi::ThreadPool& pool) {
   std::memset(out, 0, sizeof(float) * s.T * s.Hq * s.D);
   std::vector<int64_t> decodes;
+  // One thread's time: the larger of the pages' reads (about 8 bytes a ns) and the dot
+  // products (about 16 flops a ns), summed over the decodes.
+  double nanos = 0;
   for (int64_t r = 0; r < s.R; ++r) {
     const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
-    if (q_len >= 1 && q_len <= p.max_rows) decodes.push_back(r);
+    if (q_len >= 1 && q_len <= p.max_rows) {
+      decodes.push_back(r);
+      const double kv_values = 2.0 * seq_lens[r] * s.Hkv * s.D;
+      nanos += std::max(kv_values * sizeof(KV) / 8, kv_values * 2 * q_len * s.G / 16);
+    }
   }
   const int64_t count = static_cast<int64_t>(decodes.size()) * s.Hkv;
   if (count == 0) return;
@@ -333,7 +340,7 @@ void Attend(const Shape& s, const Params& p, const float* q, const void* k_cache
   const auto item_fn = s.D == 8 ? AttendItem<KV, 8> : s.D == 16 ? AttendItem<KV, 16>
                      : s.D == 32 ? AttendItem<KV, 32> : s.D == 64 ? AttendItem<KV, 64>
                      : s.D == 128 ? AttendItem<KV, 128> : AttendItem<KV, 0>;
-  jaxserve::ParallelFor(pool, count, [&](int64_t item) {
+  jaxserve::ParallelFor(pool, count, nanos, [&](int64_t item) {
     item_fn(s, p, q, k, v, seq_lens, block_tables, query_start_loc, decodes[item / s.Hkv],
             item % s.Hkv, out);
   });
