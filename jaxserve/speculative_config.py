@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("ngram", "layer_skip", "draft_model")
-DEVICE_METHODS = ("layer_skip", "draft_model")  # drafts proposed by the step on the device
 _KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                    "num_layers", "disable_by_batch_size", "adaptive", "model",
                    "draft_tensor_parallel_size", "quantization"})

@@ -401,7 +401,8 @@ def main() -> None:
         "drafts). Steps: engine steps of one timed run. Same greedy tokens: every request of "
         "the warm-up and timed runs equals the off run's. Every engine schedules with async "
         "scheduling, drafting steps included (the next step runs ahead as if every draft is "
-        "accepted); by default the engine measures its tokens/s drafting and not and keeps "
+        "accepted; every proposer drafts on the device, from the tokens really accepted); "
+        "by default the engine measures its tokens/s drafting and not and keeps "
         "the faster ('ngram-always' never switches drafting off); 'off' is the engine as it "
         "ships"
         + (" and 'off-sync' is off without it" if "off-sync" in (args.proposers or ()) else "")

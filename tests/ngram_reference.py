@@ -1,5 +1,6 @@
-"""N-gram (prompt lookup) drafts: the tokens that followed the last match of the sequence's
-own suffix, tried from the longest suffix down (no model, host only, no jax).
+"""N-gram (prompt lookup) drafts on the host, one sequence at a time: the reference the engine's
+device proposer (executor/device_drafts.py) is tested against. The tokens that followed the
+last match of the sequence's own suffix, tried from the longest suffix down.
 
 The drafts continue the sequence as it went on after the match. When the match ends fewer
 than `num_tokens` before the end, that continuation runs into the drafts themselves: the span

@@ -5,27 +5,26 @@ tokens are bound to its host history (penalties, a grammar) or to its exact outp
 (min_tokens still holding back its stop tokens), or it is backing off: after each verification
 that accepted nothing it drafts no more for 2, then MAX_BACKOFF steps, so a request whose drafts
 never hit pays for them in one step of five (and the engine's switch turns drafting off where
-it measures slower).
+it measures slower). A request running alone does not back off: its step costs about the same
+with drafts (the fixed cost of a step; on TPU/GPU the weights' reads), so a miss costs little
+and a skipped step could have been a hit (stories260K's retelling, batch 1: 1.35x -> 1.65x
+output tokens/s with n-gram drafts).
 
-With async scheduling a request drafts while its previous step still runs: its drafts continue
-the sequence as if that step accepted every draft it carries (and, for n-gram lookup, as if it
-samples what the lookup proposes first); the step corrects its positions on the device when
-fewer were accepted, and its drafts are then merely unlikely to be accepted. So the engine runs
-ahead of a drafting step only while its requests' last verifications accepted every draft
-(`Scheduler.waits_on_drafts`): after a miss, the next drafts follow the real tokens.
+Drafts are proposed by the step on the device (executor/device_drafts.py): the scheduler only
+gives a request its draft slots, -1 each. So a step scheduled while the one before it still
+runs (async scheduling) drafts from the tokens that step really accepted.
 """
 
 from __future__ import annotations
 
-from jaxserve.core.ngram_proposer import propose_ngram
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler_output import SpecDecodingStats
 from jaxserve.speculative_config import SpeculativeConfig
 
-# Steps. Short: on stories260K's retelling workload (first drafts accepted half the time, so
-# misses come in runs) a cap of 64 left 24% of steps drafting and 1.41 tokens a step, a cap of
-# 4 made it 31% and 1.71 (+15% tokens/s); where drafts never hit, the engine's switch still
-# turns drafting off.
+# Steps. Short: where first drafts are accepted about half the time, misses come in runs and a
+# long backoff skips the hits after them (stories260K's retelling, drafts then made on the host:
+# a cap of 64 left 24% of steps drafting and 1.41 tokens a step, a cap of 4 31% and 1.71, +15%
+# tokens/s); where drafts never hit, the engine's switch still turns drafting off.
 MAX_BACKOFF = 4
 
 
@@ -39,36 +38,25 @@ class DraftPolicy:
     def may_draft(self, request: Request, num_running: int, step: int) -> bool:
         spec = self.spec
         params = request.sampling_params
-        return (self.enabled and request.drafts_resume_step <= step
+        return (self.enabled and (request.drafts_resume_step <= step or num_running == 1)
                 and not params.needs_host_history
                 and request.num_output_tokens >= params.min_tokens
                 and not 0 < spec.disable_by_batch_size <= num_running)
 
     def drafts(self, request: Request, budget: int, num_running: int, step: int) -> list[int]:
-        """This step's drafts: none unless `may_draft`, or past max_tokens, max_model_len or
-        the budget (tokens in flight counted as if all were accepted); -1 for a draft the step
-        proposes on the device (layer skip, draft model)."""
+        """This step's draft slots (-1 each: the step proposes the drafts): none unless
+        `may_draft`, or past max_tokens, max_model_len or the budget (tokens in flight counted as
+        if all were accepted)."""
         if not self.may_draft(request, num_running, step):
             return []
-        spec = self.spec
         in_flight = request.num_tokens_in_flight
-        k = min(spec.num_speculative_tokens, budget,
+        k = min(self.spec.num_speculative_tokens, budget,
                 request.max_tokens - request.num_output_tokens - in_flight - 1,
                 self.max_model_len - request.num_tokens - in_flight)
-        if k <= 0:
-            return []
-        if spec.method == "ngram":
-            # At most one step runs ahead: its drafts, then its sample, whose stand-in is the
-            # lookup's first proposal.
-            guesses = request.num_output_placeholders
-            proposal = propose_ngram(request.all_token_ids + request.draft_placeholders,
-                                     guesses + k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            return proposal[guesses:]
-        return [-1] * k
+        return [-1] * max(k, 0)
 
     def record(self, request: Request, num_drafted: int, num_accepted: int, step: int) -> None:
         self.stats.record(num_drafted, num_accepted)
-        request.missed_a_draft = num_accepted < num_drafted
         if num_accepted:
             request.draft_misses = 0
             return

@@ -88,8 +88,7 @@ class Request:
     # step before which it drafts no more (backing off while drafts keep missing).
     draft_misses: int = 0
     drafts_resume_step: int = 0
-    missed_a_draft: bool = False  # its last verification rejected one
-    # The drafts of steps still running (-1: proposed on the device), counted as accepted until
+    # The drafts of steps still running (-1: the step proposes them), counted as accepted until
     # their step's update: async scheduling schedules the next step on top of them.
     draft_placeholders: list[int] = field(default_factory=list)
 

@@ -7,10 +7,10 @@ get prefill tokens in one step (running ones first, in order, then admissions); 
 capped. Preemption is by recompute: the victim's blocks are freed and it goes back to the front
 of the waiting queue (its prefix usually comes back from the cache).
 
-Speculative decoding: a decoding request also gets its drafts as inputs after its last token
-(n-gram drafts from its own tokens, or -1 slots the step fills on the device), verified in the
-same step; `update_from_output` takes back the computed tokens of rejected drafts, whose KV is
-simply overwritten later. Who drafts, and how many: core/draft_policy.py.
+Speculative decoding: a decoding request also gets draft slots as inputs after its last token
+(-1: the step proposes the drafts on the device), verified in the same step;
+`update_from_output` takes back the computed tokens of rejected drafts, whose KV is simply
+overwritten later. Who drafts, and how many: core/draft_policy.py.
 """
 
 from __future__ import annotations
@@ -216,13 +216,6 @@ class Scheduler(RemoteKVScheduling):
             budget -= num_new
             i += 1
         return budget
-
-    def waits_on_drafts(self, sched: SchedulerOutput) -> bool:
-        """Whether the next step should wait for `sched` (in flight) rather than run ahead: a
-        request drafting in it missed a draft in its last verification, so its drafts there
-        are likely rejected too and any run ahead of them follows a wrong guess."""
-        return any(r in self.requests and self.requests[r].missed_a_draft
-                   for r in sched.scheduled_spec_decode_tokens)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new_reqs: list[NewRequestData], prefills: set[str]) -> int:

@@ -8,9 +8,9 @@ known, and the model runner feeds it that token from the device. A request that 
 token sampled at N has already had one more token computed at N+1, which is dropped. Requests
 with penalties or a grammar need their whole history on the host, so while one runs the core
 waits for N before scheduling N+1. Speculative decoding runs ahead too: N+1 is scheduled as if
-N accepted all its drafts, and the step corrects its positions on the device from N's accepted
-counts (executor/spec_verify.py); but after a request missed a draft, the core waits for the
-next step that drafts for it, so that its drafts follow real tokens (core/draft_policy.py).
+N accepted all its drafts, the step corrects its positions on the device from N's accepted
+counts (executor/spec_verify.py), and it proposes its drafts there, from the tokens N really
+accepted (executor/device_drafts.py).
 
 A step that raises while it is prepared, launched or read back fails the requests it carried
 (finish reason "error", blocks freed) and the engine goes on, unless the device state is lost
@@ -169,9 +169,7 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        if self._in_flight is not None and (self._needs_host_history() or any(
-                s.waits_on_drafts(sched)
-                for s, sched in zip(self.schedulers, self._in_flight.scheds))):
+        if self._in_flight is not None and self._needs_host_history():
             outputs += self.finish(self._in_flight)
             self._in_flight = None
         if self.connector is not None:

@@ -266,7 +266,7 @@ def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
     program, report = prepare(target, cfg, config, kv_write)
     k = num_speculative_tokens(config)
     for T, R in buckets or bucket_pairs(*step_buckets(config)):
-        for S, drafting in step_variants(T, R, k, program.draft_statics is not None):
+        for S, drafting in step_variants(T, R, k):
             report.buckets.append(compile_bucket(program, T, R, report.layer_kv_bytes, S,
                                                  drafting))
     return report

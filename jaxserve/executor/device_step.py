@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.config import EngineConfig
-from jaxserve.executor.device_drafts import propose_drafts
+from jaxserve.executor.device_drafts import propose_drafts, propose_ngram_drafts, write_tokens
 from jaxserve.executor.draft_model import catch_up
 from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.packing import PackedLayout, pack, unpack
@@ -31,7 +31,9 @@ from jaxserve.layers.sampler import SamplerOutput, TokenLogprobs, sample, token_
 from jaxserve.models.llama import Llama
 
 ProgramKey = tuple[str, PackedLayout | None]  # (kind, the packed inputs' layout)
-DraftKV = tuple[jax.Array, jax.Array] | None  # the draft model's (k, v) [L_d, Hkv_d, NB, BS, D_d]
+# The drafter's caches over the KV blocks, donated like the target's: the draft model's (k, v)
+# [L_d, Hkv_d, NB, BS, D_d], or n-gram's (token_cache,) i32[NB, BS]; None for the others.
+DraftKV = tuple[jax.Array, ...] | None
 STEP_LOGITS = 3  # `_step` returns (k_cache, v_cache, draft_kv, logits, drafts, rows)
 
 
@@ -52,16 +54,19 @@ class StepStatics:
     NNX GraphDef takes milliseconds to hash, so the hash is computed once here.
     `draft_graphdef`: the engine's draft model (its catch-up runs in every step).
     `max_drafts` > 0: the drafting program, which drafts up to `max_drafts` tokens a request
-    on the device: from the draft model, or (layer-skip self-speculation) from the target's
-    first `draft_layers` layers."""
+    on the device: from the draft model, by n-gram lookup, or (layer-skip self-speculation)
+    from the target's first `draft_layers` layers. `ngram`: (prompt_lookup_min, _max) with
+    n-gram speculation, whose token cache every program writes."""
 
     def __init__(self, graphdef: nnx.GraphDef, backend: AttentionBackend,
                  kv_sharding: NamedSharding, draft_layers: int = 0, max_drafts: int = 0,
-                 draft_graphdef: nnx.GraphDef | None = None):
+                 draft_graphdef: nnx.GraphDef | None = None,
+                 ngram: tuple[int, int] | None = None):
         self.graphdef, self.backend, self.kv_sharding = graphdef, backend, kv_sharding
         self.draft_layers, self.max_drafts = draft_layers, max_drafts
-        self.draft_graphdef = draft_graphdef
-        self._key = (graphdef, backend, kv_sharding, draft_layers, max_drafts, draft_graphdef)
+        self.draft_graphdef, self.ngram = draft_graphdef, ngram
+        self._key = (graphdef, backend, kv_sharding, draft_layers, max_drafts, draft_graphdef,
+                     ngram)
         self._hash = hash(self._key)
 
     def __hash__(self) -> int:
@@ -75,12 +80,12 @@ class StepStatics:
 def step_statics(config: EngineConfig, graphdef: nnx.GraphDef, backend: AttentionBackend,
                  kv_sharding: NamedSharding, draft_graphdef: nnx.GraphDef | None = None,
                  ) -> tuple[StepStatics, StepStatics | None]:
-    """The plain program's statics and the drafting program's (None: drafts are not proposed
-    on the device)."""
-    draft_layers, max_drafts = device_draft_statics(config)
-    plain = StepStatics(graphdef, backend, kv_sharding, draft_graphdef=draft_graphdef)
+    """The plain program's statics and the drafting program's (None: no speculation)."""
+    draft_layers, max_drafts, ngram = device_draft_statics(config)
+    plain = StepStatics(graphdef, backend, kv_sharding, draft_graphdef=draft_graphdef,
+                        ngram=ngram)
     return plain, StepStatics(graphdef, backend, kv_sharding, draft_layers, max_drafts,
-                              draft_graphdef) if max_drafts else None
+                              draft_graphdef, ngram) if max_drafts else None
 
 
 class _Forward(NamedTuple):
@@ -108,7 +113,15 @@ def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cac
     draft = None if statics.draft_graphdef is None else nnx.merge(statics.draft_graphdef,
                                                                   draft_state)
     drafts = jnp.zeros((draft_starts.shape[0], 0), jnp.int32)
-    if statics.max_drafts and draft is None:  # layer skip: the target's first layers draft
+    if statics.ngram is not None:  # every step writes the tokens the lookup reads
+        token_cache = write_tokens(draft_kv[0], input_ids, md)
+        if statics.max_drafts:
+            input_ids, drafts = propose_ngram_drafts(
+                token_cache, *statics.ngram, statics.max_drafts, input_ids, md, draft_starts,
+                num_drafts)
+            token_cache = write_tokens(token_cache, input_ids, md)  # the drafts too
+        draft_kv = (token_cache,)
+    elif statics.max_drafts and draft is None:  # layer skip: the target's first layers draft
         input_ids, drafts, k_cache, v_cache = propose_drafts(
             model, statics.draft_layers, statics.backend, statics.max_drafts, input_ids, md,
             draft_starts, num_drafts, k_cache, v_cache)
@@ -120,9 +133,11 @@ def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cac
     hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend)
     if draft is not None:
         draft_kv = catch_up(draft, statics.backend, input_ids, md, *draft_kv)
-    # Pin the caches' layout so the donated buffers come back exactly as they went in.
+    # Pin the caches' layout so the donated buffers come back exactly as they went in (the
+    # token cache is replicated).
     k_cache, v_cache, draft_kv = jax.tree.map(
-        lambda c: jax.lax.with_sharding_constraint(c, statics.kv_sharding),
+        lambda c: jax.lax.with_sharding_constraint(
+            c, statics.kv_sharding if c.ndim == 5 else replicated(statics.kv_sharding)),
         (k_cache, v_cache, draft_kv))
     rows = sample_rows(input_ids, md.query_start_loc, logits_indices, draft_starts, num_drafts,
                        token_shift)
@@ -166,6 +181,10 @@ def _sample(layout: PackedLayout, logits: jax.Array, prev: PrevSamples, rows: ja
     S = out.sampled.shape[0]
     return out, PrevSamples(prev.sampled.at[:S].set(out.sampled),
                             prev.accepted.at[:S].set(accepted_drafts(out.sampled, rows)))
+
+
+def replicated(sharding: NamedSharding) -> NamedSharding:
+    return NamedSharding(sharding.mesh, P())
 
 
 def step_key(arrays: StepArrays, layout: PackedLayout | None = None) -> ProgramKey:

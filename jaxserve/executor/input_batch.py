@@ -54,7 +54,7 @@ class StepArrays:
     # the drafts it carries there, whose rejected ones move this step's positions back
     prev_base: np.ndarray
     prev_drafts: np.ndarray
-    device_drafts: bool = False  # the drafts are proposed by the step (layer skip, draft model)
+    device_drafts: bool = False  # the drafting program: the step proposes the drafts
 
     @staticmethod
     def empty(num_tokens: int, num_reqs: int, max_blocks_per_seq: int,
@@ -118,11 +118,11 @@ class InputBatch:
 
     def prepare(self, sched: SchedulerOutput, token_buckets: list[int],
                 request_buckets: list[int], running_rows: Mapping[str, tuple[int, int]],
-                num_speculative_tokens: int = 0, drafts_on_device: bool = False) -> StepArrays:
+                num_speculative_tokens: int = 0) -> StepArrays:
         """`running_rows`: request -> (its first sample row, its drafts) in the step still
         running, for the requests whose next input that step samples (async scheduling: their
-        positions here assume it accepts every draft). `drafts_on_device`: the step proposes
-        the drafts (layer skip, draft model), in the drafting program."""
+        positions here assume it accepts every draft). A step with drafts is the drafting
+        program's, which proposes them on the device."""
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(req_ids))
@@ -167,8 +167,8 @@ class InputBatch:
         sample_starts = np.zeros(len(req_ids) + 1, np.int32)
         np.cumsum(num_drafts + 1, out=sample_starts[1:])
         num_rows = int(sample_starts[-1])
-        device_drafts = drafts_on_device and num_rows > len(req_ids)
-        S = R if num_rows <= R and not device_drafts else min(T, R * (1 + num_speculative_tokens))
+        device_drafts = num_rows > len(req_ids)
+        S = min(T, R * (1 + num_speculative_tokens)) if device_drafts else R
         logits_indices = np.zeros(S, np.int32)
         # Request i's rows: the query rows of its last num_drafts[i] + 1 tokens.
         row_request = np.repeat(np.arange(len(req_ids)), num_drafts + 1)

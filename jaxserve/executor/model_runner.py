@@ -145,8 +145,7 @@ class ModelRunner:
             if sched.is_empty:
                 return None
             arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets,
-                                        self.running_rows, self.num_drafts,
-                                        self.draft_statics is not None)
+                                        self.running_rows, self.num_drafts)
             rows = self.batch.rows(arrays)
             # One logprobs width for every step that wants any: one shape.
             wants_logprobs = any(row.params.logprobs is not None for row in rows)
@@ -354,8 +353,7 @@ class ModelRunner:
     def warm_up_programs(self) -> list[tuple[StepArrays, SamplingMetadata]]:
         return warm_up_programs(self.token_buckets, self.request_buckets, self.max_blocks_per_seq,
                                 self.eos_token_ids, self.config.model.max_logprobs,
-                                self.model.cfg.vocab_size, self.num_drafts,
-                                self.draft_statics is not None)
+                                self.model.cfg.vocab_size, self.num_drafts)
 
     def _loaded(self, arrays: StepArrays, sampling: SamplingMetadata) -> bool:
         return (step_key(arrays) in self.executables

@@ -1,8 +1,8 @@
-"""The engine's model step as an abstract program: weights, KV caches (the draft model's too,
-with speculative draft_model) and inputs as sharded ShapeDtypeStructs, lowered through the
-same jitted `_step` the model runner calls. The compile check builds it for targets without
-chips; the worker compiles its largest step once to learn the temporaries the KV pool must
-leave room for."""
+"""The engine's model step as an abstract program: weights, KV caches (the drafter's too: the
+draft model's, or n-gram's token cache) and inputs as sharded ShapeDtypeStructs, lowered
+through the same jitted `_step` the model runner calls. The compile check builds it for
+targets without chips; the worker compiles its largest step once to learn the temporaries the
+KV pool must leave room for."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class StepProgram:
     max_blocks_per_seq: int
     draft_statics: StepStatics | None = None  # the drafting program's (drafts on the device)
     draft_state: Any = None  # the draft model's weights (speculative draft_model)
-    draft_kv: jax.ShapeDtypeStruct | None = None  # and its cache
+    draft_kv: tuple[jax.ShapeDtypeStruct, ...] | None = None  # the drafter's caches (DraftKV)
 
     @property
     def mesh(self) -> Any:
@@ -65,10 +65,9 @@ class StepProgram:
     def compile_step(self, arrays: StepArrays) -> Any:
         inputs, layout = step_inputs(arrays)
         statics = self.draft_statics if arrays.device_drafts else self.statics
-        draft_kv = None if self.draft_kv is None else (self.draft_kv, self.draft_kv)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # Pallas TPU lowering
             lowered = _step.trace(statics, layout, self.state, self.kv, self.kv,
-                                  self.draft_state, draft_kv, self.prev,
+                                  self.draft_state, self.draft_kv, self.prev,
                                   self.replicated(inputs)).lower()
         return lowered.compile()
 
@@ -111,10 +110,20 @@ def step_program(target: ModelParts, config: EngineConfig, backend: AttentionBac
                                 sharding=NamedSharding(mesh, P()))
     plain, drafting = step_statics(config, target.graphdef, backend, kv_sharding,
                                    None if draft is None else draft.graphdef)
+    draft_kv = None
+    if draft is not None:
+        draft_kv = (_kv(draft, num_blocks, bs, kv_sharding),) * 2
+    elif plain.ngram is not None:
+        draft_kv = (token_cache_shape(num_blocks, bs, mesh),)
     return StepProgram(plain, _abstract(target.state), _kv(target, num_blocks, bs, kv_sharding),
                        PrevSamples(rows, rows), -(-max_model_len // bs), drafting,
-                       None if draft is None else _abstract(draft.state),
-                       None if draft is None else _kv(draft, num_blocks, bs, kv_sharding))
+                       None if draft is None else _abstract(draft.state), draft_kv)
+
+
+def token_cache_shape(num_blocks: int, block_size: int, mesh: Any) -> jax.ShapeDtypeStruct:
+    """n-gram speculation's token cache: the token id at every KV slot, replicated."""
+    return jax.ShapeDtypeStruct((num_blocks, block_size), jnp.int32,
+                                sharding=NamedSharding(mesh, P()))
 
 
 def largest_step_temp_bytes(target: ModelParts, config: EngineConfig,
@@ -126,8 +135,7 @@ def largest_step_temp_bytes(target: ModelParts, config: EngineConfig,
     min_blocks = -(-max_model_len // config.cache.block_size) + 1
     program = step_program(target, config, backend, min_blocks, max_model_len, draft)
     T, R = max(bucket_pairs(*step_buckets(config)))
-    compiled = program.compile(T, R, *step_variants(
-        T, R, num_speculative_tokens(config), program.draft_statics is not None)[-1])
+    compiled = program.compile(T, R, *step_variants(T, R, num_speculative_tokens(config))[-1])
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 

@@ -12,7 +12,6 @@ from jaxserve.config import EngineConfig, power_of_two_buckets
 from jaxserve.core.structured_output import mask_words
 from jaxserve.executor.input_batch import StepArrays
 from jaxserve.layers.sampler import SamplingMetadata, logprobs_width, make_sampling_metadata
-from jaxserve.speculative_config import DEVICE_METHODS
 
 
 def step_buckets(config: EngineConfig) -> tuple[list[int], list[int]]:
@@ -49,29 +48,24 @@ def num_speculative_tokens(config: EngineConfig) -> int:
     return 0 if spec is None else spec.num_speculative_tokens
 
 
-def device_draft_statics(config: EngineConfig) -> tuple[int, int]:
-    """(draft_layers, max_drafts) of the drafting program's StepStatics, whose drafts come
-    from the step: layer skip's (the target's first draft_layers layers) or the draft model's
-    (draft_layers 0); (0, 0): no drafting program."""
+def device_draft_statics(config: EngineConfig) -> tuple[int, int, tuple[int, int] | None]:
+    """(draft_layers, max_drafts, ngram) of the drafting program's StepStatics: layer skip
+    drafts from the target's first draft_layers layers, the draft model and n-gram lookup with
+    draft_layers 0; ngram: (prompt_lookup_min, _max) for n-gram; (0, 0, None): no speculation."""
     spec = config.scheduler.speculative_config
-    if spec is None or spec.method not in DEVICE_METHODS:
-        return 0, 0
-    return spec.num_layers, spec.num_speculative_tokens
+    if spec is None:
+        return 0, 0, None
+    ngram = ((spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram"
+             else None)
+    return spec.num_layers, spec.num_speculative_tokens, ngram
 
 
-def step_variants(T: int, R: int, num_drafts: int, device_drafts: bool,
-                  ) -> list[tuple[int, bool]]:
-    """The (sample rows S, drafts on the device) variants a (T, R) step is compiled for: S = R
-    without drafts (or host drafts that fit in the rows' padding), and with speculation the
-    most rows a step can sample (every request drafting, bounded by the tokens), drafting on
-    the device for layer skip and the draft model (a separate program, so steps without
-    drafts do not carry it)."""
-    variants = [(R, False)]
-    if num_drafts:
-        most = min(T, R * (1 + num_drafts))
-        if most > R or device_drafts:
-            variants.append((most, device_drafts))
-    return variants
+def step_variants(T: int, R: int, num_drafts: int) -> list[tuple[int, bool]]:
+    """The (sample rows S, drafting) variants a (T, R) step is compiled for: S = R without
+    drafts, and with speculation the drafting program (a separate one, so steps without drafts
+    do not carry it) with the most rows a step can sample (every request drafting, bounded by
+    the tokens)."""
+    return [(R, False)] + ([(min(T, R * (1 + num_drafts)), True)] if num_drafts else [])
 
 
 def max_sample_rows(config: EngineConfig) -> int:
@@ -84,7 +78,6 @@ def max_sample_rows(config: EngineConfig) -> int:
 def warm_up_programs(token_buckets: list[int], request_buckets: list[int],
                      max_blocks_per_seq: int, eos_token_ids: tuple[int, ...],
                      max_logprobs: int, vocab_size: int = 0, num_drafts: int = 0,
-                     device_drafts: bool = False,
                      ) -> list[tuple[StepArrays, SamplingMetadata]]:
     """The steps warm-up runs: the model for every (token bucket, request bucket) and each of
     its `step_variants`, and the sampler for every sample-row count: greedy and sampled,
@@ -95,7 +88,7 @@ def warm_up_programs(token_buckets: list[int], request_buckets: list[int],
     sampler_done: set[int] = set()
     out = []
     for T, R in bucket_pairs(token_buckets, request_buckets):
-        for S, drafting in step_variants(T, R, num_drafts, device_drafts):
+        for S, drafting in step_variants(T, R, num_drafts):
             # The sampler's shapes depend on S only: all of its variants with the first T.
             variants = [(True, 0, 0)] if S in sampler_done else [
                 (greedy, n, w) for greedy in (True, False) for n in logprobs_widths

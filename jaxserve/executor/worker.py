@@ -30,8 +30,9 @@ from jaxserve.executor.sharding import (
     shard_params,
     validate_tensor_parallel,
 )
-from jaxserve.executor.step_program import ModelParts, kv_blocks_for, largest_step_temp_bytes
-from jaxserve.executor.step_shapes import num_speculative_tokens
+from jaxserve.executor.step_program import (ModelParts, kv_blocks_for, largest_step_temp_bytes,
+                                            token_cache_shape)
+from jaxserve.executor.step_shapes import device_draft_statics, num_speculative_tokens
 from jaxserve.layers.attention import (
     AttentionBackend,
     get_attention_backend,
@@ -152,14 +153,18 @@ class Worker:
     @property
     def kv_init(self) -> Any:
         """The jitted program that allocates the zeroed KV pool on the mesh: (k, v) of the
-        target, then of the draft model."""
+        target, then of the draft model, or n-gram speculation's token cache."""
         cfgs, bs = self.model_configs, self.config.cache.block_size
+        tokens = ([token_cache_shape(self.num_blocks, bs, self.mesh)]
+                  if device_draft_statics(self.config)[2] is not None else [])
 
         def init() -> tuple[jax.Array, ...]:
             return tuple(cache for cfg in cfgs
-                         for cache in init_kv_cache(cfg, self.num_blocks, bs, self.dtype))
+                         for cache in init_kv_cache(cfg, self.num_blocks, bs, self.dtype)
+                         ) + tuple(jnp.zeros(t.shape, t.dtype) for t in tokens)
 
-        return jax.jit(init, out_shardings=(self.kv_sharding,) * (2 * len(cfgs)))
+        return jax.jit(init, out_shardings=(self.kv_sharding,) * (2 * len(cfgs))
+                       + tuple(t.sharding for t in tokens))
 
     def fingerprint(self) -> dict[str, Any]:
         """What programs compiled for this worker depend on (see compiled_dir)."""

@@ -56,25 +56,25 @@ def test_preemption_drops_the_token_in_flight_and_recomputes_it() -> None:
 
 def test_drafts_are_scheduled_on_a_drafting_step_in_flight_and_taken_back_by_its_update():
     """With speculation the next step counts the drafts in flight as accepted: one input (the
-    sample after them, on the device) and new drafts from the n-gram continued through them;
-    the update takes back the rejected ones, and the counts meet what the worker computes."""
+    sample after them, on the device) and new draft slots (-1: the step fills them on the
+    device); the update takes back the rejected ones, and the counts meet what the worker
+    computes."""
     spec = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=2,
                              adaptive=False)
     h = Harness(speculative_config=spec)
     req = h.add("r", [5, 6, 7, 5, 6, 7, 5, 6], max_tokens=20)
     s1 = h.schedule()  # the prompt; its sample is in flight
     s2 = h.schedule()
-    # [.., 5, 6] last followed by 7: the lookup's 7 stands in for the sample, then 5 6 7
-    assert s2.out.scheduled_spec_decode_tokens == {"r": [5, 6, 7]}
+    assert s2.out.scheduled_spec_decode_tokens == {"r": [-1, -1, -1]}
     assert s2.out.num_scheduled_tokens == {"r": 4} and req.num_computed_tokens == 12
     h.sched.update_from_output(s1.out, ModelRunnerOutput(["r"], [[7]]))
-    s3 = h.schedule()  # on top of s2 as if it accepted 5 6 7 (and sampled the lookup's 5)
-    assert s3.out.scheduled_spec_decode_tokens == {"r": [6, 7, 5]}
+    s3 = h.schedule()  # on top of s2 as if it accepted its 3 drafts
+    assert s3.out.scheduled_spec_decode_tokens == {"r": [-1, -1, -1]}
     assert s3.out.num_scheduled_tokens == {"r": 4} and req.num_computed_tokens == 16
     # s2 accepts one draft and samples 9: two positions back (the device moved s3 with them)
     h.sched.update_from_output(s2.out, ModelRunnerOutput(["r"], [[5, 9]]))
     assert req.output_token_ids == [7, 5, 9] and req.num_computed_tokens == 14
-    assert req.draft_placeholders == [6, 7, 5] and req.num_output_placeholders == 1
+    assert req.draft_placeholders == [-1, -1, -1] and req.num_output_placeholders == 1
     h.sched.update_from_output(s3.out, ModelRunnerOutput(["r"], [[6, 7, 5, 8]]))
     assert req.output_token_ids == [7, 5, 9, 6, 7, 5, 8]
     assert req.num_computed_tokens == req.num_tokens - 1 and not req.draft_placeholders

@@ -70,6 +70,26 @@ def test_an_engine_from_a_compiled_dir_compiles_nothing_and_gives_the_same_token
     assert len(sampled.outputs[0].logprobs) == 4
 
 
+def test_an_ngram_engines_dir_holds_its_token_cache_and_compiles_nothing(hf_checkpoint,
+                                                                        tmp_path):
+    """n-gram speculation's token cache is allocated by the directory's KV-pool program
+    beside the KV caches, and its drafting program comes from there too."""
+    path = hf_checkpoint("llama")
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2, "adaptive": False}
+    engine = ENGINE | {"token_buckets": [32]}
+    aot.build_on_host(EngineConfig.from_kwargs(model=str(path), speculative_config=spec,
+                                               **engine), tmp_path / "out")
+    prompts = [p * 3 for p in random_prompts(4, 3, 8, seed=73)]  # repeats: drafts get accepted
+    with backend_compiles() as events:
+        llm = LLM(str(path), compiled_dir=str(tmp_path / "out"), precompile=True,
+                  strict_compile=True, speculative_config=spec, **engine)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert events == [] and llm.stats().num_compilations == 0
+    assert [o.outputs[0].token_ids for o in got] == hf_greedy(path, prompts, 8)
+    assert llm.stats().spec_decoding.num_draft_tokens > 0
+
+
 def test_a_draft_models_dir_runs_it_compiling_nothing_and_refuses_another_draft(
         hf_checkpoint, tmp_path):
     """The draft model's catch-up and drafting programs and its KV pool come from the

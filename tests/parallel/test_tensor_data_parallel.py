@@ -39,16 +39,18 @@ def test_greedy_tokens_equal_single_device(gqa8, compile_cache_dir, tp, dp, back
 
 
 @pytest.mark.parametrize("method, tp, dp", [
-    pytest.param("layer_skip", 2, 2, marks=pytest.mark.full), ("draft_model", 2, 1)])
+    pytest.param("layer_skip", 2, 2, marks=pytest.mark.full), ("draft_model", 2, 1),
+    ("ngram", 2, 2)])
 def test_speculation_under_tp_and_dp_gives_the_same_greedy_tokens(gqa8, compile_cache_dir,
                                                                   method, tp, dp):
-    """Layer skip, and the target as its own draft model (its weights and cache sharded by
-    head like the target's), whose drafts are all accepted only if the sharded draft computes
-    what the target does (n-gram drafts are host-side)."""
+    """Layer skip, n-gram lookup (its token cache replicated on each rank's devices), and the
+    target as its own draft model (its weights and cache sharded by head like the target's),
+    whose drafts are all accepted only if the sharded draft computes what the target does."""
     path, prompts, expected = gqa8
     spec = {"method": method, "num_speculative_tokens": 2, "adaptive": False}
-    # The draft model's engine: one bucket each (2 programs; a draft doubles compile time).
-    extra = {"num_layers": 1} if method == "layer_skip" else {"model": str(path)}
+    extra = {"layer_skip": {"num_layers": 1}, "draft_model": {"model": str(path)},
+             "ngram": {"prompt_lookup_min": 1, "prompt_lookup_max": 2}}[method]
+    # One bucket each but for layer skip (2 programs; a draft model doubles compile time).
     buckets = {} if method == "layer_skip" else {"token_buckets": [128], "request_buckets": [16]}
     llm = LLM(str(path), tensor_parallel_size=tp, data_parallel_size_local=dp,
               speculative_config=spec | extra, compilation_cache_dir=compile_cache_dir,
