@@ -91,12 +91,11 @@ def propose_ngram_drafts(token_cache: jax.Array, min_n: int, max_n: int, max_dra
     matched = jnp.ones((num_rows, width), bool)  # the window of n tokens ending at j matches
     end = length - 2  # no match: the copy starts at the last token
     for n in range(1, max_n + 1):
-        earlier = jnp.pad(history, ((0, 0), (n - 1, 0)), constant_values=-1)[:, :width]
-        matched &= earlier == last[:, n - 1:n]                        # history[j - n + 1]
+        same = history == last[:, n - 1:n]                            # bool[R, W]
+        matched &= jnp.pad(same, ((0, 0), (n - 1, 0)))[:, :width]     # history[j - n + 1]
         if n >= min_n:
-            hit = matched & has_next
-            found = hit.any(axis=1) & (n <= length - 1)
-            end = jnp.where(found, jnp.max(jnp.where(hit, ends, -1), axis=1), end)
+            latest = jnp.max(jnp.where(matched & has_next, ends, -1), axis=1)
+            end = jnp.where((latest >= 0) & (n <= length - 1), latest, end)
     first = end + 1                                                   # i32[R]
     offsets = jnp.arange(max_drafts, dtype=jnp.int32)[None, :] % (length - first)[:, None]
     drafts = jnp.take_along_axis(history, first[:, None] + offsets, axis=1)
