@@ -21,6 +21,7 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 ENGINE = dict(max_model_len=128, num_kv_blocks=64, block_size=16, max_num_seqs=4,
               max_num_batched_tokens=32, token_buckets=[16, 32], request_buckets=[4],
               compilation_cache_dir="")
+SPEC_ENGINE = ENGINE | {"token_buckets": [32]}  # 2 step programs: a draft doubles their cost
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
@@ -70,23 +71,29 @@ def test_an_engine_from_a_compiled_dir_compiles_nothing_and_gives_the_same_token
     assert len(sampled.outputs[0].logprobs) == 4
 
 
+def run_speculative_from_dir(path: Path, spec: dict, prompts: list[list[int]], out: Path,
+                             ) -> LLM:
+    """Build a directory for an engine with `spec`, then run `prompts` from it in strict mode:
+    nothing compiles and the greedy tokens are HF's."""
+    aot.build_on_host(EngineConfig.from_kwargs(model=str(path), speculative_config=spec,
+                                               **SPEC_ENGINE), out)
+    with backend_compiles() as events:
+        llm = LLM(str(path), compiled_dir=str(out), precompile=True, strict_compile=True,
+                  speculative_config=spec, **SPEC_ENGINE)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert events == [] and llm.stats().num_compilations == 0
+    assert [o.outputs[0].token_ids for o in got] == hf_greedy(path, prompts, 8)
+    return llm
+
+
 def test_an_ngram_engines_dir_holds_its_token_cache_and_compiles_nothing(hf_checkpoint,
                                                                         tmp_path):
     """n-gram speculation's token cache is allocated by the directory's KV-pool program
     beside the KV caches, and its drafting program comes from there too."""
-    path = hf_checkpoint("llama")
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
             "prompt_lookup_max": 2, "adaptive": False}
-    engine = ENGINE | {"token_buckets": [32]}
-    aot.build_on_host(EngineConfig.from_kwargs(model=str(path), speculative_config=spec,
-                                               **engine), tmp_path / "out")
     prompts = [p * 3 for p in random_prompts(4, 3, 8, seed=73)]  # repeats: drafts get accepted
-    with backend_compiles() as events:
-        llm = LLM(str(path), compiled_dir=str(tmp_path / "out"), precompile=True,
-                  strict_compile=True, speculative_config=spec, **engine)
-        got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert events == [] and llm.stats().num_compilations == 0
-    assert [o.outputs[0].token_ids for o in got] == hf_greedy(path, prompts, 8)
+    llm = run_speculative_from_dir(hf_checkpoint("llama"), spec, prompts, tmp_path / "out")
     assert llm.stats().spec_decoding.num_draft_tokens > 0
 
 
@@ -98,23 +105,15 @@ def test_a_draft_models_dir_runs_it_compiling_nothing_and_refuses_another_draft(
     path = hf_checkpoint("llama")
     spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2,
             "adaptive": False}
-    engine = ENGINE | {"token_buckets": [32]}  # 2 step programs: a draft doubles their cost
-    aot.build_on_host(EngineConfig.from_kwargs(model=str(path), speculative_config=spec,
-                                               **engine), tmp_path / "out")
-    prompts = random_prompts(5, 1, 30, seed=72)
-    with backend_compiles() as events:
-        llm = LLM(str(path), compiled_dir=str(tmp_path / "out"), precompile=True,
-                  strict_compile=True, speculative_config=spec, **engine)
-        got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert events == [] and llm.stats().num_compilations == 0
-    assert [o.outputs[0].token_ids for o in got] == hf_greedy(path, prompts, 8)
+    llm = run_speculative_from_dir(path, spec, random_prompts(5, 1, 30, seed=72),
+                                   tmp_path / "out")
     stats = llm.stats().spec_decoding
     assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0, stats
     other = hf_checkpoint("llama", seed=5, num_layers=1, hidden_size=32, num_heads=2,
                           num_kv_heads=1)
     with pytest.raises(compiled_dir.CompiledDirError, match=r"draft_model\.hidden_size"):
         LLM(str(path), compiled_dir=str(tmp_path / "out"), strict_compile=True,
-            speculative_config=spec | {"model": str(other)}, **engine)
+            speculative_config=spec | {"model": str(other)}, **SPEC_ENGINE)
 
 
 def test_a_dir_built_for_other_buckets_is_refused_naming_the_field(built, tmp_path):
