@@ -7,8 +7,8 @@ that accepted nothing it drafts no more for 2, then MAX_BACKOFF steps, so a requ
 never hit pays for them in one step of five (and the engine's switch turns drafting off where
 it measures slower). A request running alone does not back off: its step costs about the same
 with drafts (the fixed cost of a step; on TPU/GPU the weights' reads), so a miss costs little
-and a skipped step could have been a hit (stories260K's retelling, batch 1: 1.35x -> 1.65x
-output tokens/s with n-gram drafts).
+and a skipped step could have been a hit (stories260K's retelling, batch 1, n-gram drafts:
+1.35x the tokens/s of no speculation with the backoff, 1.65x without, in one run each).
 
 Drafts are proposed by the step on the device (executor/device_drafts.py): the scheduler only
 gives a request its draft slots, -1 each. So a step scheduled while the one before it still
