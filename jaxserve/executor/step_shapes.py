@@ -64,8 +64,9 @@ def step_variants(T: int, R: int, num_drafts: int) -> list[tuple[int, bool]]:
     """The (sample rows S, drafting) variants a (T, R) step is compiled for: S = R without
     drafts, and with speculation the drafting program (a separate one, so steps without drafts
     do not carry it) with the most rows a step can sample (every request drafting, bounded by
-    the tokens)."""
-    return [(R, False)] + ([(min(T, R * (1 + num_drafts)), True)] if num_drafts else [])
+    the tokens), where a draft fits (T > 1)."""
+    drafting = num_drafts and T > 1
+    return [(R, False)] + ([(min(T, R * (1 + num_drafts)), True)] if drafting else [])
 
 
 def max_sample_rows(config: EngineConfig) -> int:
