@@ -61,6 +61,8 @@ def test_speculation_under_tp_and_dp_gives_the_same_greedy_tokens(gqa8, compile_
     assert stats.num_draft_tokens > 0
     if method == "draft_model":
         assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens, stats
+    if method == "ngram":  # the lookup read real histories (greedy outputs here repeat)
+        assert stats.num_accepted_tokens > 0, stats
     assert_no_leaks(llm.engine)
 
 
