@@ -47,7 +47,7 @@ class StepArrays:
     completes_sequence: np.ndarray  # bool[R]     the step reaches the last known token
     # i32[R + 1]  request i's sample rows are sample_starts[i] .. sample_starts[i + 1] - 1
     sample_starts: np.ndarray
-    draft_token_ids: list[list[int]]  # per request: its drafts (inputs after its last token)
+    draft_token_ids: list[list[int]]  # per request: its draft slots (-1 each; the step fills them)
     draft_starts: np.ndarray  # i32[R_padded]  the row of each request's last known token
     num_drafts: np.ndarray  # i32[R_padded]    its drafts (0: none; padding)
     # i32[R_padded]  the request's first sample row in the step still running, -1 if none; and
@@ -159,7 +159,7 @@ class InputBatch:
                 prev_base[i], prev_drafts[i] = running_rows[state.req_id]
                 prev_rows[len(ids)] = prev_base[i]
                 ids.append(0)
-            ids += [max(t, 0) for t in d]
+            ids += [0] * len(d)  # draft slots: the step fills them
         input_ids[:num_tokens] = ids
         seq_lens = np.zeros(R, np.int32)
         seq_lens[:len(req_ids)] = starts + counts

@@ -48,16 +48,23 @@ def num_speculative_tokens(config: EngineConfig) -> int:
     return 0 if spec is None else spec.num_speculative_tokens
 
 
+def ngram_lookup(config: EngineConfig) -> tuple[int, int] | None:
+    """(prompt_lookup_min, _max) with n-gram speculation, whose steps keep a token cache; else
+    None."""
+    spec = config.scheduler.speculative_config
+    if spec is None or spec.method != "ngram":
+        return None
+    return spec.prompt_lookup_min, spec.prompt_lookup_max
+
+
 def device_draft_statics(config: EngineConfig) -> tuple[int, int, tuple[int, int] | None]:
     """(draft_layers, max_drafts, ngram) of the drafting program's StepStatics: layer skip
     drafts from the target's first draft_layers layers, the draft model and n-gram lookup with
-    draft_layers 0; ngram: (prompt_lookup_min, _max) for n-gram; (0, 0, None): no speculation."""
+    draft_layers 0; ngram: `ngram_lookup`; (0, 0, None): no speculation."""
     spec = config.scheduler.speculative_config
     if spec is None:
         return 0, 0, None
-    ngram = ((spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram"
-             else None)
-    return spec.num_layers, spec.num_speculative_tokens, ngram
+    return spec.num_layers, spec.num_speculative_tokens, ngram_lookup(config)
 
 
 def step_variants(T: int, R: int, num_drafts: int) -> list[tuple[int, bool]]:

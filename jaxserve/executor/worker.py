@@ -32,7 +32,7 @@ from jaxserve.executor.sharding import (
 )
 from jaxserve.executor.step_program import (ModelParts, kv_blocks_for, largest_step_temp_bytes,
                                             token_cache_shape)
-from jaxserve.executor.step_shapes import device_draft_statics, num_speculative_tokens
+from jaxserve.executor.step_shapes import ngram_lookup, num_speculative_tokens
 from jaxserve.layers.attention import (
     AttentionBackend,
     get_attention_backend,
@@ -156,7 +156,7 @@ class Worker:
         target, then of the draft model, or n-gram speculation's token cache."""
         cfgs, bs = self.model_configs, self.config.cache.block_size
         tokens = ([token_cache_shape(self.num_blocks, bs, self.mesh)]
-                  if device_draft_statics(self.config)[2] is not None else [])
+                  if ngram_lookup(self.config) is not None else [])
 
         def init() -> tuple[jax.Array, ...]:
             return tuple(cache for cfg in cfgs
