@@ -229,11 +229,11 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   const auto block_of = [&](int64_t page) {
     return std::clamp<int64_t>(block_tables[r * s.P + page], 0, s.NB - 1);
   };
-  // Pages two ahead are read into L2 while this one is worked on, unless one simply follows
-  // the page before it in memory: the hardware's prefetcher follows a request whose blocks are
-  // consecutive, and a burst of prefetches on top of it only slows it.
+  // Pages two ahead are read into L2 while this one is worked on, consecutive blocks too: the
+  // hardware's prefetcher stops at each 4 KiB page, and with it alone a context of 540 tokens
+  // in consecutive blocks streamed at 25-31 GB/s, against 31-42 with these prefetches.
   const auto page_of = [&](const KV* cache, int64_t page, std::vector<float>& buf) {
-    if ((page + 2) * BS < last && block_of(page + 2) != block_of(page + 1) + 1) {
+    if ((page + 2) * BS < last) {
       const auto* ahead = reinterpret_cast<const char*>(cache + (head_base + block_of(page + 2))
                                                         * BS * D);
       for (int64_t j = 0; j < BS * D * static_cast<int64_t>(sizeof(KV)); j += 64) {

@@ -6,12 +6,18 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_matmul
 
 # The layer weights the dense layers read, each [(L,) K, N]
 DENSE_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# Packed weights that read the same input, packed side by side (along N) into one: one native
+# matmul call and one pass over the input instead of several. Each column's sum is the same
+# as apart, so outputs do not change. At 32 decode rows of the 30M dummy model the q, k and v
+# calls took ~290 us a layer (k and v at ~100 GFLOP/s), the fused one ~200.
+FUSED_DENSE = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
 def pack(w: Any) -> Any:  # [..., K, N] -> f32[..., ceil(N / 32), K, 32]
@@ -21,6 +27,12 @@ def pack(w: Any) -> Any:  # [..., K, N] -> f32[..., ceil(N / 32), K, 32]
         (device,) = w.devices()
         return jax.device_put(packed, device)
     return packed
+
+
+def concat_columns(ws: list[Any]) -> Any:  # [..., K, N_i] each -> [..., K, sum of N_i]
+    """Weights placed on a device stay on it."""
+    return (jnp.concatenate(ws, -1) if isinstance(ws[0], jax.Array)
+            else np.concatenate([np.asarray(w) for w in ws], -1))
 
 
 def dense(x: jax.Array,  # [T, K]

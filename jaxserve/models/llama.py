@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
-from jaxserve.layers.dense import DENSE_PARAMS, dense, pack
+from jaxserve.layers.dense import DENSE_PARAMS, FUSED_DENSE, concat_columns, dense, pack
 from jaxserve.layers.rotary import (apply_rotary, inverse_frequencies, lookup_angles,
                                     rotary_angles, rotary_table)
 from jaxserve.models.llama_config import LlamaConfig
@@ -54,8 +54,17 @@ class Llama(nnx.Module):
         self.scan_layers = scan_layers
         if native_matmul and self.dtype != jnp.float32:
             raise ValueError(f"the native CPU matmul takes float32 weights, not {self.dtype}")
+        # fused weight -> the N of each of its parts, in order
+        self.fused_columns = tuple(
+            (fused, tuple(params[name].shape[-1] for name in parts))
+            for fused, parts in FUSED_DENSE.items() if native_matmul)
+        if native_matmul:  # the fused weights replace their parts
+            params = dict(params)
+            for fused, parts in FUSED_DENSE.items():
+                params[fused] = concat_columns([params.pop(name) for name in parts])
         # name -> N of each packed weight; empty: XLA's dot on the weights as loaded
-        self.dense_columns = tuple((name, params[name].shape[-1]) for name in DENSE_PARAMS
+        self.dense_columns = tuple((name, params[name].shape[-1])
+                                   for name in (*DENSE_PARAMS, *FUSED_DENSE)
                                    if native_matmul and name in params)
         packed = dict(self.dense_columns)
 
@@ -75,7 +84,7 @@ class Llama(nnx.Module):
             rotary_table(self._inverse_frequencies(),
                          max_positions or cfg.max_position_embeddings),
             next(iter(self.embed[...].devices())))) if native_matmul else None
-        names = [name for name in LAYER_PARAMS if name in params]
+        names = [name for name in (*LAYER_PARAMS, *FUSED_DENSE) if name in params]
         if scan_layers:  # [L, ...] each
             self.layers = nnx.Dict({name: param(name, params[name]) for name in names})
         else:
@@ -128,8 +137,15 @@ class Llama(nnx.Module):
         def linear(x: jax.Array, name: str) -> jax.Array:
             return dense(x, w[name], columns.get(name))
 
+        def linears(x: jax.Array, fused: str) -> list[jax.Array]:
+            """x through each part of `fused` (FUSED_DENSE), in one call where it was packed."""
+            if fused not in w:
+                return [linear(x, name) for name in FUSED_DENSE[fused]]
+            widths = dict(self.fused_columns)[fused]
+            return jnp.split(linear(x, fused), np.cumsum(widths)[:-1].tolist(), axis=-1)
+
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = linear(h, "wq"), linear(h, "wk"), linear(h, "wv")
+        q, k, v = linears(h, "wqkv")
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         T = x.shape[0]
@@ -146,7 +162,8 @@ class Llama(nnx.Module):
                            sliding_window=cfg.sliding_window)
         x = x + linear(o.reshape(T, -1), "wo")
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        x = x + linear(jax.nn.silu(linear(h, "w_gate")) * linear(h, "w_up"), "w_down")
+        gate, up = linears(h, "w_gate_up")
+        x = x + linear(jax.nn.silu(gate) * up, "w_down")
         return x, k_cache, v_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> f32[N, V]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxserve.layers.dense import pack, uses_native_matmul
+from jaxserve.layers.dense import concat_columns, pack, uses_native_matmul
 from pallas_kernels import cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no C++ compiler here")
@@ -53,6 +53,19 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch():
     whole = np.asarray(_matmul(x, w, 96))
     for rows in (slice(0, 1), slice(3, 8), slice(20, 37)):
         assert np.array_equal(np.asarray(_matmul(x[rows], w, 96)), whole[rows])
+
+
+def test_weights_fused_side_by_side_give_each_part_its_own_result():
+    """The model fuses q/k/v and gate/up (layers/dense.py FUSED_DENSE): each part's columns,
+    sliced from the fused product, equal that part's own product bit for bit, widths that do
+    not fill a panel included."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((13, 96)).astype(np.float32))
+    parts = [rng.standard_normal((96, n)).astype(np.float32) for n in (40, 24, 57)]
+    fused = np.asarray(_matmul(x, jnp.asarray(pack(concat_columns(parts))), 121))
+    for part, start in zip(parts, (0, 40, 64)):
+        alone = np.asarray(_matmul(x, jnp.asarray(pack(part)), part.shape[1]))
+        assert np.array_equal(fused[:, start:start + part.shape[1]], alone)
 
 
 def test_fewer_columns_than_the_panels_hold_are_the_first_ones():
