@@ -8,14 +8,16 @@ read) over arrays far larger than the caches. Compute: 2 FLOPs per weight per to
 attention's 4 x heads x head_dim x context per layer and token, at the GFLOP/s of a large jitted
 float32 matmul. Both rates are measured just before and just after each row's step timing and
 the better of the two is that row's bound: on a shared machine they swing by 2x over minutes,
-and a bound measured at another moment than the step says little about the step.
+and a bound measured at another moment than the step says little about the step. The whole
+pass runs `--rounds` times; each row keeps its best round's times and rates (the same step
+took 11 ms and 15 ms a few minutes apart here).
 
 Each attention backend (`--backends`, default the CPU's two: `cpu`, whose decodes and dense
 layers run in the native kernels, and the pure-JAX `xla`) gets its own engine, measured in the
 same run.
 
     python scripts/bench_decode_roofline.py [--batches 1,8,32,64] [--contexts 128,512]
-        [--backends cpu,xla]
+        [--backends cpu,xla] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -81,12 +83,14 @@ def main() -> None:
     p.add_argument("--contexts", default="128,512")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--backends", default="cpu,xla")
+    p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     steps = []
     for backend in args.backends.split(","):
-        steps += measure_backend(backend, batches, contexts, args.steps)
+        steps += best_rounds(measure_backend(backend, batches, contexts, args.steps,
+                                             args.rounds))
     cache = last_level_cache_bytes()
     rows = [roofline_row(step, cache) for step in steps]
     gbps, gflops = [t.gbps for t in steps], [t.gflops for t in steps]
@@ -111,7 +115,8 @@ def main() -> None:
             "+ KV of every sequence) "
             "/ bandwidth; compute bound = FLOPs / matmul rate; roofline = the larger; "
             "device-only = the jitted step replayed on inputs already on the device (best of 20, "
-            "ModelRunner.time_last_step); engine step "
+            f"ModelRunner.time_last_step); each row: the best of {args.rounds} rounds of the "
+            "whole table (times and rates each at their best); engine step "
             "= the whole LLMEngine.step (host work included). A percentage is the share of the "
             "bound reached (100% = at the bound). `cpu`: decodes and dense layers in the native "
             "kernels (pallas_kernels/cpu_decode_attention.cc, cpu_matmul.cc); `xla`: all in "
@@ -135,7 +140,7 @@ class StepTime:
 
 
 def measure_backend(backend: str, batches: list[int], contexts: list[int],
-                    steps: int) -> list[StepTime]:
+                    steps: int, rounds: int) -> list[StepTime]:
     # A request's context grows by a token a step while later ones prefill (one a step at most:
     # a prompt fills max_num_batched_tokens), then by the timed steps.
     blocks_per_seq = -(-(max(contexts) + max(batches) + 2 * steps + 16) // 16)
@@ -153,26 +158,38 @@ def measure_backend(backend: str, batches: list[int], contexts: list[int],
     kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     flops_per_token = 2 * sum(v.size for k, v in params.items() if k != "embed")
     measured = []
-    for ctx in contexts:
-        for b in batches:
-            ids = fill_decoding(engine, b, ctx, cfg.vocab_size, prefix=f"b{b}c{ctx}-")
-            timed_steps_ms(engine, 1)
-            before = measure_rates()
-            step_ms = timed_steps_ms(engine, steps)["step"]
-            device_ms = device_only_ms(engine, repeats=20)
-            gbps, gflops = (max(pair) for pair in zip(before, measure_rates()))
-            running = engine.core.scheduler.running
-            if len(running) != b:
-                raise RuntimeError(f"batch {b}: {len(running)} requests in the step")
-            context_tokens = sum(r.num_tokens for r in running)
-            kv_bytes = context_tokens * kv_token_bytes
-            attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context_tokens
-            measured.append(StepTime(backend, b, ctx, step_ms, device_ms, weight_bytes,
-                                     kv_bytes, weight_bytes + b * embed_row_bytes + kv_bytes,
-                                     b * flops_per_token + attn_flops, gbps, gflops))
-            engine.abort_request(ids)
-            engine.step()
+    for ctx, b, round_ in ((c, b, r) for r in range(rounds) for c in contexts for b in batches):
+        ids = fill_decoding(engine, b, ctx, cfg.vocab_size, prefix=f"r{round_}b{b}c{ctx}-")
+        timed_steps_ms(engine, 1)
+        before = measure_rates()
+        step_ms = timed_steps_ms(engine, steps)["step"]
+        device_ms = device_only_ms(engine, repeats=20)
+        gbps, gflops = (max(pair) for pair in zip(before, measure_rates()))
+        running = engine.core.scheduler.running
+        if len(running) != b:
+            raise RuntimeError(f"batch {b}: {len(running)} requests in the step")
+        context_tokens = sum(r.num_tokens for r in running)
+        kv_bytes = context_tokens * kv_token_bytes
+        attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context_tokens
+        measured.append(StepTime(backend, b, ctx, step_ms, device_ms, weight_bytes,
+                                 kv_bytes, weight_bytes + b * embed_row_bytes + kv_bytes,
+                                 b * flops_per_token + attn_flops, gbps, gflops))
+        engine.abort_request(ids)
+        engine.step()
     return measured
+
+
+def best_rounds(times: list[StepTime]) -> list[StepTime]:
+    """Each (backend, batch, context) once: its fastest step and device times and best rates
+    over the rounds."""
+    best: dict[tuple[str, int, int], StepTime] = {}
+    for t in times:
+        key = (t.backend, t.batch, t.context)
+        b = best.setdefault(key, t)
+        best[key] = dataclasses.replace(b, step_ms=min(b.step_ms, t.step_ms),
+                                        device_ms=min(b.device_ms, t.device_ms),
+                                        gbps=max(b.gbps, t.gbps), gflops=max(b.gflops, t.gflops))
+    return list(best.values())
 
 
 def roofline_row(t: StepTime, cache_bytes: int) -> list[object]:
