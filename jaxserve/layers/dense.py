@@ -13,10 +13,10 @@ from pallas_kernels import cpu_matmul
 
 # The layer weights the dense layers read, each [(L,) K, N]
 DENSE_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-# Packed weights that read the same input, packed side by side (along N) into one: one native
-# matmul call and one pass over the input instead of several. Each column's sum is the same
-# as apart, so outputs do not change. At 32 decode rows of the 30M dummy model the q, k and v
-# calls took ~290 us a layer (k and v at ~100 GFLOP/s), the fused one ~200.
+# Weights that read the same input, packed side by side (along N) as one where the native
+# matmul runs them: one call and one pass over the input instead of several. Each column's sum
+# is the same as apart, so outputs do not change. At 32 decode rows of the 30M dummy model the
+# q, k and v calls took ~290 us a layer (k and v at ~100 GFLOP/s), the fused one ~200.
 FUSED_DENSE = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
