@@ -1,6 +1,7 @@
 """N-gram (prompt lookup) drafts on the host, one sequence at a time: the reference the engine's
 device proposer (executor/device_drafts.py) is tested against. The tokens that followed the
-last match of the sequence's own suffix, tried from the longest suffix down.
+first match of the sequence's own suffix, tried from the longest suffix down (vLLM's proposer
+picks the longest suffix and, among its matches, the first).
 
 The drafts continue the sequence as it went on after the match. When the match ends fewer
 than `num_tokens` before the end, that continuation runs into the drafts themselves: the span
@@ -18,7 +19,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: int,
                   ) -> list[int]:
     """`num_tokens` drafts: for the longest n in [min_n, max_n] whose last-n tokens occurred
-    earlier, the tokens after their most recent earlier occurrence, repeating the span from
+    earlier, the tokens after their earliest occurrence, repeating the span from
     there to the end as often as it takes; [] when none."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     length = len(tokens)
@@ -27,6 +28,6 @@ def propose_ngram(token_ids: Sequence[int], num_tokens: int, min_n: int, max_n: 
         windows = sliding_window_view(tokens[:length - 1], n)
         hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            start = int(hits[0]) + n
             return tokens[start + np.arange(num_tokens) % (length - start)].tolist()
     return []

@@ -73,10 +73,10 @@ def propose_ngram_drafts(token_cache: jax.Array, min_n: int, max_n: int, max_dra
                          num_drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Prompt-lookup drafts from each drafting request's tokens as `token_cache` holds them
     (i32[NB, BS], this step's inputs written): for the longest n in [min_n, max_n] whose last
-    n tokens occurred earlier, the tokens after their most recent earlier occurrence, the span
-    from there to the end repeated as often as it takes (a loop shorter than the drafts still
-    fills them, like an LZ77 copy overlapping its output); without a match, the last token
-    repeated. Returns (input_ids with the drafts in place, drafts i32[R, max_drafts])."""
+    n tokens occurred earlier, the tokens after their earliest occurrence (vLLM's proposer picks
+    the same one), the span from there to the end repeated as often as it takes (a loop shorter
+    than the drafts still fills them, like an LZ77 copy overlapping its output); without a
+    match, the last token repeated. Returns (input_ids with the drafts in place, drafts i32[R, max_drafts])."""
     num_rows, pages = md.block_tables.shape
     width = pages * token_cache.shape[1]
     history = token_cache[md.block_tables].reshape(num_rows, width)   # i32[R, W]
@@ -94,8 +94,8 @@ def propose_ngram_drafts(token_cache: jax.Array, min_n: int, max_n: int, max_dra
         same = history == last[:, n - 1:n]                            # bool[R, W]
         matched &= jnp.pad(same, ((0, 0), (n - 1, 0)))[:, :width]     # history[j - n + 1]
         if n >= min_n:
-            latest = jnp.max(jnp.where(matched & has_next, ends, -1), axis=1)
-            end = jnp.where((latest >= 0) & (n <= length - 1), latest, end)
+            earliest = jnp.min(jnp.where(matched & has_next, ends, width), axis=1)
+            end = jnp.where((earliest < width) & (n <= length - 1), earliest, end)
     first = end + 1                                                   # i32[R]
     offsets = jnp.arange(max_drafts, dtype=jnp.int32)[None, :] % (length - first)[:, None]
     drafts = jnp.take_along_axis(history, first[:, None] + offsets, axis=1)

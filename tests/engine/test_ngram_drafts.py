@@ -64,11 +64,12 @@ def expected(seq: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     return propose_ngram(seq, k, min_n, max_n) or [seq[-1]] * k
 
 
-def test_the_tokens_after_the_most_recent_match_of_the_longest_suffix():
-    # suffix [7, 8] occurred at 0 (then 1) and at 3 (then 2); [6, 7, 8] only at 2 (then 9)
+def test_the_tokens_after_the_earliest_match_of_the_longest_suffix():
+    # row 0: suffix [7, 8] occurred at 0 (then 1) and at 4 (then 9); [6, 7, 8] only at 3
+    # (then 9). Row 1: [7, 8] at 0 (then 1) and at 4 (then 3); [4, 7, 8] never before.
     seqs = [[7, 8, 1, 6, 7, 8, 9, 5, 5, 6, 7, 8], [7, 8, 1, 2, 7, 8, 3, 4, 7, 8]]
-    assert device_drafts(seqs, 2, 1, 3)[0] == [[9, 5], [3, 4]]
-    assert device_drafts(seqs, 3, 1, 2)[0] == [[9, 5, 5], [3, 4, 7]]
+    assert device_drafts(seqs, 2, 1, 3)[0] == [[9, 5], [1, 2]]
+    assert device_drafts(seqs, 3, 1, 2)[0] == [[1, 6, 7], [1, 2, 7]]
 
 
 def test_a_match_near_the_end_repeats_the_span_since_it():
