@@ -76,7 +76,8 @@ def propose_ngram_drafts(token_cache: jax.Array, min_n: int, max_n: int, max_dra
     n tokens occurred earlier, the tokens after their earliest occurrence (vLLM's proposer picks
     the same one), the span from there to the end repeated as often as it takes (a loop shorter
     than the drafts still fills them, like an LZ77 copy overlapping its output); without a
-    match, the last token repeated. Returns (input_ids with the drafts in place, drafts i32[R, max_drafts])."""
+    match, the last token repeated. Returns (input_ids with the drafts in place, drafts
+    i32[R, max_drafts])."""
     num_rows, pages = md.block_tables.shape
     width = pages * token_cache.shape[1]
     history = token_cache[md.block_tables].reshape(num_rows, width)   # i32[R, W]
