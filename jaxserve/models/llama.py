@@ -47,7 +47,8 @@ class Llama(nnx.Module):
         """`params`: the canonical weight dict (numpy, or jax arrays already placed on their
         shardings); the vocabulary may be padded for tensor parallelism. `native_matmul`
         (float32 on one CPU device): the dense layers' weights are packed for the native CPU
-        matmul (layers/dense.py) and run through it, q/k/v and gate/up each fused into one. `max_positions`: positions the model
+        matmul (layers/dense.py) and run through it, q/k/v and gate/up each fused into
+        one. `max_positions`: positions the model
         will see (the engine's max_model_len; default max_position_embeddings)."""
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
