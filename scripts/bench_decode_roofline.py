@@ -141,6 +141,8 @@ class StepTime:
 
 def measure_backend(backend: str, batches: list[int], contexts: list[int],
                     steps: int, rounds: int) -> list[StepTime]:
+    from jaxserve.models.loader import load_model
+
     # A request's context grows by a token a step while later ones prefill (one a step at most:
     # a prompt fills max_num_batched_tokens), then by the timed steps.
     blocks_per_seq = -(-(max(contexts) + max(batches) + 2 * steps + 16) // 16)
@@ -152,11 +154,12 @@ def measure_backend(backend: str, batches: list[int], contexts: list[int],
                          enable_prefix_caching=False, precompile=True,
                          attention_backend=backend)
     cfg = engine.core.model_config
-    params = engine.core.executor.worker.loaded.params
+    params = load_model(str(DUMMY_CONFIG_DIR), "dummy").params  # the weights as loaded
     weight_bytes = sum(v.nbytes for k, v in params.items() if k != "embed")
     embed_row_bytes = params["embed"].nbytes // cfg.vocab_size
     kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     flops_per_token = 2 * sum(v.size for k, v in params.items() if k != "embed")
+    del params
     measured = []
     for ctx, b, round_ in ((c, b, r) for r in range(rounds) for c in contexts for b in batches):
         ids = fill_decoding(engine, b, ctx, cfg.vocab_size, prefix=f"r{round_}b{b}c{ctx}-")

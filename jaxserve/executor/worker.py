@@ -105,8 +105,9 @@ class Worker:
         self.model = Llama(cfg, placed, self.dtype,
                            scan_layers=config.runner.scans_layers(platform),
                            native_matmul=native_matmul, max_positions=self.max_model_len)
-        if restored:  # the model holds the arrays it needs; drop the loader's references
-            self.loaded = dataclasses.replace(self.loaded, params={})
+        # The model holds the arrays it needs. The loader's stay out of reach: on CPU they would
+        # be a second copy of every weight for as long as the engine runs.
+        self.loaded = dataclasses.replace(self.loaded, params={})
         draft = draft or load_draft(config)
         self.draft = None if draft is None else place_draft(
             draft, cfg, self.max_model_len, self.mesh, self.dtype,

@@ -22,6 +22,14 @@ def llm(llama, compile_cache_dir):
     return LLM(str(llama), compilation_cache_dir=compile_cache_dir, **SMALL_ENGINE)
 
 
+def test_the_engine_lets_go_of_the_loaders_weights(llm):
+    """The model holds the weights it runs (on CPU, packed copies); the loader's arrays are
+    dropped, or a CPU engine would keep every weight twice for as long as it runs."""
+    worker = llm.engine.core.executor.worker
+    assert worker.loaded.params == {}
+    assert llm.generate(["Hello"], GREEDY)[0].outputs[0].token_ids
+
+
 def test_identical_prompts_submitted_together_are_all_correct(llm, llama):
     prompt = random_prompts(1, 50, 50, seed=21)[0]
     outs = llm.generate([{"prompt_token_ids": prompt}] * 4, GREEDY, use_tqdm=False)
