@@ -14,7 +14,8 @@ finish or arrive and a request's text changes what its drafts catch, so two wind
 the other would time two different workloads, and the later one (a smaller batch, faster
 steps) would win whatever drafting did. The first `settle` steps of a turn are not counted:
 with async scheduling a step returns the tokens of the step launched before it, so they would
-time one way's work as the other's. A step's tokens are counted per request that got any, as the batch drifts.
+time one way's work as the other's. A step's tokens are counted per request that got any, as
+the batch drifts.
 """
 
 from __future__ import annotations
