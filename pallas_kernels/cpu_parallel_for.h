@@ -18,15 +18,20 @@ namespace jaxserve {
 // call (stories260K's matmuls and attention: about 7-19 us a call, mostly this).
 constexpr double kMinNanosPerThread = 20000;
 
+// The threads ParallelFor(pool, count, nanos, ...) runs on, the caller's included.
+inline int64_t Workers(xla::ffi::ThreadPool& pool, int64_t count, double nanos) {
+  return 1 + std::max<int64_t>(0, std::min<int64_t>({pool.num_threads(), count - 1,
+                                   static_cast<int64_t>(nanos / kMinNanosPerThread) - 1}));
+}
+
 // Runs work(item) for item in [0, count) on the caller and the pool's threads: each takes the
 // next item from a shared counter, and the caller returns once every item is done. A task that
 // starts after the caller took the last item finds none, so nothing waits on a busy pool.
 // `nanos`: the whole call's work on one thread, roughly; it bounds the threads used.
 template <typename F>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t count, double nanos, F work) {
-  const int64_t helpers = std::min<int64_t>(
-      {pool.num_threads(), count - 1, static_cast<int64_t>(nanos / kMinNanosPerThread) - 1});
-  if (helpers <= 0) {
+  const int64_t helpers = Workers(pool, count, nanos) - 1;
+  if (helpers == 0) {
     for (int64_t i = 0; i < count; ++i) work(i);
     return;
   }
