@@ -4,6 +4,8 @@
 // (request, KV head)'s pages straight from the paged cache, for all of its query rows (the G
 // query heads of the group times up to max_rows rows of a verifying decode): first every key
 // page for the rows' scores, then one softmax per row over all of them, then every value page.
+// With a head dim of 8 a vector along it would hold two keys' dims, so scores are taken the other
+// way: 16 keys transposed once into lanes serve every row (KeyChunkScores8).
 // Same semantics as xla_attention._attend_decodes: requests of 1..max_rows query rows, each
 // row masked to its own causal end (and window); other rows of the output are zero.
 
@@ -74,28 +76,12 @@ void VectorScores(const float* q, const float* page, int64_t c, int32_t count, f
 }
 
 // Row q's scores (q . k for key rows [c, end) of the page, end - c <= 16) in a vector's first
-// lanes, kMaskValue in the rest, when VectorScores does not apply. With 16 rows left in the
-// page (rows past `end` are read, then masked), a head dim of 8 takes two keys a vector;
-// otherwise one dot at a time.
+// lanes, kMaskValue in the rest, one dot at a time: where neither VectorScores nor
+// KeyChunkScores8 applies.
 template <int kD>
-jaxserve::Vec Scores(const float* q, const float* page, int64_t D, int64_t c, int64_t end,
-                     int64_t BS) {
+jaxserve::Vec Scores(const float* q, const float* page, int64_t D, int64_t c, int64_t end) {
   using jaxserve::kLanes;
-  using jaxserve::Vec;
   const int32_t count = static_cast<int32_t>(end - c);
-  const jaxserve::IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  if constexpr (kD == 8) {
-    if (c + kLanes <= BS) {
-      // Product j: key c + 2j in lanes 0-7, key c + 2j + 1 in lanes 8-15.
-      float q_twice[kLanes];
-      std::memcpy(q_twice, q, 8 * sizeof(float));
-      std::memcpy(q_twice + 8, q, 8 * sizeof(float));
-      const Vec qv = jaxserve::Load(q_twice);
-      Vec products[8];
-      for (int j = 0; j < 8; ++j) products[j] = qv * jaxserve::Load(page + (c + 2 * j) * 8);
-      return lane < count ? jaxserve::HalfLaneSums(products) : Vec{} + kMaskValue;
-    }
-  }
   const int64_t dim = kD > 0 ? kD : D;
   float scores[kLanes];
   for (int32_t t = 0; t < kLanes; ++t) {
@@ -123,7 +109,77 @@ void ScoreRows(int64_t rows, const float* q, const float* page, int64_t D, int64
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    jaxserve::Store(out + r * stride + c, Scores<kD>(q + r * D, page, D, c, end, BS));
+    jaxserve::Store(out + r * stride + c, Scores<kD>(q + r * D, page, D, c, end));
+  }
+}
+
+// Bit `vb` of the vector index exchanged with bit `lb` of the lane index, across 8 vectors:
+// a stage of a transpose. Output vector a (bit vb clear) takes the lanes whose bit lb is clear
+// from each pair's vectors, b = a | 1 << vb the lanes whose bit is set.
+constexpr int SwapLane(int lb, int lane, int high) {
+  return (lane >> lb & 1) * jaxserve::kLanes + ((lane & ~(1 << lb)) | high << lb);
+}
+
+template <int vb, int lb>
+void SwapBits(jaxserve::Vec (&v)[8]) {
+  using jaxserve::Vec;
+#define JAXSERVE_SWAP(h)                                                                    \
+  SwapLane(lb, 0, h), SwapLane(lb, 1, h), SwapLane(lb, 2, h), SwapLane(lb, 3, h),          \
+      SwapLane(lb, 4, h), SwapLane(lb, 5, h), SwapLane(lb, 6, h), SwapLane(lb, 7, h),      \
+      SwapLane(lb, 8, h), SwapLane(lb, 9, h), SwapLane(lb, 10, h), SwapLane(lb, 11, h),    \
+      SwapLane(lb, 12, h), SwapLane(lb, 13, h), SwapLane(lb, 14, h), SwapLane(lb, 15, h)
+  for (int a = 0; a < 8; ++a) {
+    if (a & 1 << vb) continue;
+    const Vec x = v[a], y = v[a | 1 << vb];
+    v[a] = __builtin_shufflevector(x, y, JAXSERVE_SWAP(0));
+    v[a | 1 << vb] = __builtin_shufflevector(x, y, JAXSERVE_SWAP(1));
+  }
+#undef JAXSERVE_SWAP
+}
+
+// After SwapBits<2, 2> and <1, 1> on 16 keys of 8 dims (vector j: keys 2j, 2j + 1), vector
+// (d2 d1 t1) holds key t = (t3 t2 t1 t0), dim d = (d2 d1 d0) in lane (t0 t3 t2 d0); this gathers
+// dim d of the 16 keys in key order from vectors x = (d2 d1 0) and y = (d2 d1 1).
+constexpr int KeyLane(int t, int d0) {
+  return (t >> 1 & 1) * jaxserve::kLanes +
+         ((t & 1) << 3 | (t >> 3 & 1) << 2 | (t >> 2 & 1) << 1 | d0);
+}
+
+template <int d0>
+jaxserve::Vec KeysOfDim(jaxserve::Vec x, jaxserve::Vec y) {
+  return __builtin_shufflevector(x, y, KeyLane(0, d0), KeyLane(1, d0), KeyLane(2, d0),
+                                 KeyLane(3, d0), KeyLane(4, d0), KeyLane(5, d0), KeyLane(6, d0),
+                                 KeyLane(7, d0), KeyLane(8, d0), KeyLane(9, d0), KeyLane(10, d0),
+                                 KeyLane(11, d0), KeyLane(12, d0), KeyLane(13, d0),
+                                 KeyLane(14, d0), KeyLane(15, d0));
+}
+
+// Scores of the 16 keys of `keys` (head dim 8, at positions pos .. pos + 15) for rows [0, n)
+// (query i at q + 8 i, its scores at out + i * stride): the keys are transposed once, so that
+// a row's 16 scores are 8 multiply-adds of its query's dims over them, whatever the number of
+// rows. A row's lanes outside [lo[i], hi[i]) hold kMaskValue; a row that sees none of the keys
+// is not written.
+void KeyChunkScores8(const float* q, int64_t n, const float* keys, int64_t pos,
+                     const int64_t* lo, const int64_t* hi, float* out, int64_t stride) {
+  using jaxserve::kLanes;
+  using jaxserve::Vec;
+  Vec v[8], kt[8];
+  for (int j = 0; j < 8; ++j) v[j] = jaxserve::Load(keys + j * kLanes);
+  SwapBits<2, 2>(v);
+  SwapBits<1, 1>(v);
+  for (int d = 0; d < 8; d += 2) {
+    kt[d] = KeysOfDim<0>(v[d], v[d + 1]);
+    kt[d + 1] = KeysOfDim<1>(v[d], v[d + 1]);
+  }
+  const jaxserve::IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const jaxserve::IntVec at = lane + static_cast<int32_t>(pos);
+  for (int64_t i = 0; i < n; ++i) {
+    if (hi[i] <= pos || lo[i] >= pos + kLanes) continue;
+    Vec s = kt[0] * q[i * 8];
+    for (int d = 1; d < 8; ++d) s += kt[d] * q[i * 8 + d];
+    const jaxserve::IntVec seen =
+        at >= static_cast<int32_t>(lo[i]) & at < static_cast<int32_t>(hi[i]);
+    jaxserve::Store(out + i * stride, seen ? s : Vec{} + kMaskValue);
   }
 }
 
@@ -153,6 +209,13 @@ void VectorValues(float* acc, const float* weights, int64_t stride, const float*
   }
 }
 
+// Lanes 0-7: w[2j], lanes 8-15: w[2j + 1] (the weights of keys 2j and 2j + 1 of a head dim 8).
+template <int j>
+jaxserve::Vec WeightPair(jaxserve::Vec w) {
+  constexpr int a = 2 * j, b = 2 * j + 1;
+  return __builtin_shufflevector(w, w, a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
+}
+
 // acc += the sum over key rows t in [t0, t1) of weights[t] * the page's v[t], when
 // VectorValues does not apply.
 template <int kD>
@@ -160,9 +223,20 @@ void AccumulateValues(float* acc, const float* weights, const float* page, int64
                       int64_t t0, int64_t t1) {
   using jaxserve::kLanes;
   using jaxserve::Vec;
-  if constexpr (kD == 8) {  // two keys a vector, as in Scores; the halves are added at the end
+  if constexpr (kD == 8) {  // two keys a vector; the halves are added at the end
     Vec a{};
     int64_t t = t0;
+    for (; t + kLanes <= t1; t += kLanes) {  // 16 weights loaded at once, spread by pairs
+      const Vec w = jaxserve::Load(weights + t);
+      a += WeightPair<0>(w) * jaxserve::Load(page + t * 8);
+      a += WeightPair<1>(w) * jaxserve::Load(page + (t + 2) * 8);
+      a += WeightPair<2>(w) * jaxserve::Load(page + (t + 4) * 8);
+      a += WeightPair<3>(w) * jaxserve::Load(page + (t + 6) * 8);
+      a += WeightPair<4>(w) * jaxserve::Load(page + (t + 8) * 8);
+      a += WeightPair<5>(w) * jaxserve::Load(page + (t + 10) * 8);
+      a += WeightPair<6>(w) * jaxserve::Load(page + (t + 12) * 8);
+      a += WeightPair<7>(w) * jaxserve::Load(page + (t + 14) * 8);
+    }
     for (; t + 1 < t1; t += 2) {
       a += jaxserve::Halves(Vec{} + weights[t], Vec{} + weights[t + 1])
            * jaxserve::Load(page + t * 8);
@@ -260,22 +334,29 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   for (int64_t page = first_page; page * BS < last; ++page) {
     const float* kp = page_of(k_cache, page, k_buf);
     const int64_t pos0 = page * BS;
-    for (int64_t i = 0, rows; i < n; i += rows) {
-      rows = rows_at(i);
-      // Nothing of the page but [t0, t1) is used (Scores may read past t1, and masks it), so
-      // slots past seq_len and outside the window may hold anything. A vector that runs past
-      // the page masks the next page's first positions, which that page then writes.
-      const auto [t0, t1] = seen_in_page(i, pos0);
-      float* si = &scores[i * width + pos0 - base];
-      for (int64_t c = t0; c < t1; c += kLanes) {
-        ScoreRows<kD>(rows, &qv[i * D], kp, D, c, std::min(t1, c + kLanes), BS, si, width);
+    if (kD == 8 && BS % kLanes == 0) {
+      for (int64_t c = 0; c < BS && pos0 + c < last; c += kLanes) {
+        KeyChunkScores8(qv.data(), n, kp + c * 8, pos0 + c, lo.data(), hi.data(),
+                        &scores[pos0 + c - base], width);
       }
-      if (p.soft_cap > 0.f) {
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t t = t0; t < t1; ++t) {
-            si[r * width + t] = p.soft_cap * std::tanh(si[r * width + t] / p.soft_cap);
-          }
+    } else {
+      for (int64_t i = 0, rows; i < n; i += rows) {
+        rows = rows_at(i);
+        // Nothing of the page but [t0, t1) is used (Scores may read past t1, and masks it), so
+        // slots past seq_len and outside the window may hold anything. A vector that runs past
+        // the page masks the next page's first positions, which that page then writes.
+        const auto [t0, t1] = seen_in_page(i, pos0);
+        for (int64_t c = t0; c < t1; c += kLanes) {
+          ScoreRows<kD>(rows, &qv[i * D], kp, D, c, std::min(t1, c + kLanes), BS,
+                        &scores[i * width + pos0 - base], width);
         }
+      }
+    }
+    if (p.soft_cap > 0.f) {
+      for (int64_t i = 0; i < n; ++i) {
+        const auto [t0, t1] = seen_in_page(i, pos0);
+        float* si = &scores[i * width + pos0 - base];
+        for (int64_t t = t0; t < t1; ++t) si[t] = p.soft_cap * std::tanh(si[t] / p.soft_cap);
       }
     }
   }

@@ -80,21 +80,6 @@ inline Vec LaneSums(const Vec (&v)[kLanes]) {
   return FoldPair<1>(e[0], e[1]);
 }
 
-// Lane k of the result is the sum of the 8 lanes that hold item k, where v[j] holds item 2j in
-// lanes 0-7 and item 2j + 1 in lanes 8-15: LaneSums' last three folds, then one shuffle from
-// their bit-reversed order.
-inline Vec HalfLaneSums(const Vec (&v)[8]) {
-  Vec q[4], e[2];
-  for (int j = 0; j < 4; ++j) q[j] = FoldPair<4>(v[2 * j], v[2 * j + 1]);
-  for (int j = 0; j < 2; ++j) e[j] = FoldPair<2>(q[2 * j], q[2 * j + 1]);
-  const Vec folded = FoldPair<1>(e[0], e[1]);
-  return __builtin_shufflevector(
-      folded, folded, kBitReversed[0], kBitReversed[1], kBitReversed[2], kBitReversed[3],
-      kBitReversed[4], kBitReversed[5], kBitReversed[6], kBitReversed[7], kBitReversed[8],
-      kBitReversed[9], kBitReversed[10], kBitReversed[11], kBitReversed[12], kBitReversed[13],
-      kBitReversed[14], kBitReversed[15]);
-}
-
 // Lanes 0-7 from a, lanes 8-15 from b.
 inline Vec Halves(Vec a, Vec b) {
   return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31);

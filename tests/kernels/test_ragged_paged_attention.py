@@ -41,8 +41,9 @@ TOLERANCE = {"float32": (1e-5, 0.0), "bfloat16": (1.6e-2, 1e-2)}  # (atol, rtol)
 KERNELS: dict[str, Callable[..., jax.Array]] = {
     "tpu": functools.partial(ragged_paged_attention_tpu, interpret=True),
     "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
-    # the `cpu` backend: the reference with its decodes in the native kernel
-    "cpu": functools.partial(ragged_paged_attention_xla, native_decodes=True)}
+    # the `cpu` backend: the reference with its decodes (requests of up to 5 rows: a decode
+    # verifying 4 drafts) in the native kernel
+    "cpu": functools.partial(ragged_paged_attention_xla, native_decodes=True, decode_rows=5)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +70,11 @@ CONFIGS = {
     "bf16-d64-g2-window-softcap": Config("bfloat16", 64, 4, 2, sliding_window=40, soft_cap=10.0),
 }
 
-# The native CPU kernel's other head dims: 8 (stories260K's) takes two keys a vector, 16 and 32
-# its whole-vector path, 24 its generic one.
+# The native CPU kernel's other head dims: 8 (stories260K's) transposes 16 keys into lanes, 16
+# and 32 take its whole-vector path, 24 its generic one.
 CPU_CONFIGS = {
     "f32-d8-g2": Config("float32", 8, 8, 4),
+    "f32-d8-g2-window-softcap": Config("float32", 8, 8, 4, sliding_window=21, soft_cap=5.0),
     "bf16-d16-g4-window": Config("bfloat16", 16, 4, 1, sliding_window=20),
     "f32-d32-g1-softcap": Config("float32", 32, 2, 2, soft_cap=5.0),
     "f32-d24-g2-window": Config("float32", 24, 4, 2, sliding_window=33),
@@ -101,6 +103,8 @@ def ragged_batches(draw: st.DrawFn) -> Batch:
 DECODE_ONLY: Batch = (((1, 5, False), (1, MAX_KV, False), (1, 17, True), (1, 33, False)), 1)
 PREFILL_ONLY: Batch = (((20, 20, False), (16, 16, True), (4, 4, True)), 2)
 MIXED: Batch = (((1, 100, False), (12, 40, True), (3, 3, False), (1, 1, False), (9, 90, True)), 3)
+# decodes verifying drafts (up to 4), next to plain ones
+VERIFY: Batch = (((5, 40, False), (1, 9, False), (3, 17, False), (5, 100, True), (2, 2, False)), 5)
 
 
 @dataclasses.dataclass
@@ -168,6 +172,7 @@ def test_kernel_matches_reference_on_ragged_batches(kernel: str, name: str, batc
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @example(batch=DECODE_ONLY)
 @example(batch=MIXED)
+@example(batch=VERIFY)
 @given(batch=ragged_batches())
 def test_cpu_kernel_matches_reference_at_other_head_dims(name: str, batch: Batch) -> None:
     check_against_reference("cpu", name, CPU_CONFIGS[name], batch)
@@ -192,7 +197,7 @@ def test_kernel_reads_only_the_visible_kv_of_its_layer(kernel: str, name: str) -
     batch: Batch = (((1, 37, False), (7, 21, False), (10, 10, False), (1, 128, False)), 4)
     if kernel == "cpu":  # decodes only: its tiles are the xla backend's, whose masked
         # probabilities (zeros) still multiply whatever V holds there
-        batch = (((1, 37, False), (1, 21, False), (1, 10, False), (1, 128, False)), 4)
+        batch = (((1, 37, False), (5, 21, False), (1, 10, False), (3, 128, False)), 4)
     inputs = make_inputs(cfg, batch)
     clean = compiled(kernel, name)(*inputs.args)
     q, k, v, layer, seq_lens, tables, qsl = inputs.args
