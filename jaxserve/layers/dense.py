@@ -29,6 +29,12 @@ def pack(w: Any) -> Any:  # [..., K, N] -> f32[..., ceil(N / 32), K, 32]
     return packed
 
 
+def packed_columns(w: jax.Array,  # f32[P, K, 32] from pack()
+                   columns: jax.Array,  # i32[T]
+                   ) -> jax.Array:  # f32[T, K]: each column of the weight pack() was given
+    return w[columns // cpu_matmul.PANEL, :, columns % cpu_matmul.PANEL]
+
+
 def concat_columns(ws: list[Any]) -> Any:  # [..., K, N_i] each -> [..., K, sum of N_i]
     """Weights placed on a device stay on it."""
     return (jnp.concatenate(ws, -1) if isinstance(ws[0], jax.Array)

@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
-from jaxserve.layers.dense import DENSE_PARAMS, FUSED_DENSE, concat_columns, dense, pack
+from jaxserve.layers.dense import (DENSE_PARAMS, FUSED_DENSE, concat_columns, dense, pack,
+                                   packed_columns)
 from jaxserve.layers.rotary import (apply_rotary, inverse_frequencies, lookup_angles,
                                     rotary_angles, rotary_table)
 from jaxserve.models.llama_config import LlamaConfig
@@ -72,13 +73,16 @@ class Llama(nnx.Module):
         def param(name: str, value: Any) -> nnx.Param:
             return nnx.Param(jnp.asarray(pack(value) if name in packed else value, self.dtype))
 
-        self.embed = nnx.Param(jnp.asarray(params["embed"], self.dtype))
+        # With the native matmul the head [V, D] is packed as [D, V]. A tied one is packed in
+        # the embedding's place, which then looks its rows up across the panels: no second copy
+        # of the vocabulary's weights.
+        self.packed_head = native_matmul
+        tied = cfg.tie_word_embeddings
+        self.embed = nnx.Param(jnp.asarray(
+            pack(params["embed"].T) if tied and native_matmul else params["embed"], self.dtype))
         self.final_norm = nnx.Param(jnp.asarray(params["final_norm"], self.dtype))
-        # An untied head [V, D] is packed as [D, V]; a tied one stays the embedding
-        self.packed_head = native_matmul and not cfg.tie_word_embeddings
-        self.lm_head = (None if cfg.tie_word_embeddings else nnx.Param(jnp.asarray(
-            pack(params["lm_head"].T) if self.packed_head else params["lm_head"],
-            self.dtype)))
+        self.lm_head = (None if tied else nnx.Param(jnp.asarray(
+            pack(params["lm_head"].T) if native_matmul else params["lm_head"], self.dtype)))
         # The CPU path looks its rotary angles up (layers/rotary.py: rotary_table), on the
         # embedding's one device
         self.rotary_table = nnx.Variable(jax.device_put(
@@ -104,7 +108,7 @@ class Llama(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # hidden [T, D], k_cache, v_cache
         cfg = self.cfg
         depth = cfg.num_layers if num_layers is None else num_layers
-        x = self.embed[...][input_ids]
+        x = self._embed(input_ids)
         angles = (rotary_angles(md.positions, jnp.asarray(self._inverse_frequencies()))
                   if self.rotary_table is None
                   else lookup_angles(self.rotary_table[...], md.positions))
@@ -123,6 +127,10 @@ class Llama(nnx.Module):
                 carry = layer(carry, {name: p[...] for name, p in params.items()}, index)
         x, k_cache, v_cache = carry
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), k_cache, v_cache
+
+    def _embed(self, input_ids: jax.Array) -> jax.Array:  # i32[T] -> [T, D]
+        table = self.embed[...]  # [V, D], or the tied head packed from [D, V]
+        return table[input_ids] if table.ndim == 2 else packed_columns(table, input_ids)
 
     def _inverse_frequencies(self) -> np.ndarray:
         cfg = self.cfg

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxserve.layers.attention import AttentionMetadata, get_attention_backend
+from jaxserve.layers.dense import pack
 from jaxserve.models.llama import Llama, init_kv_cache
 from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loader import load_model
@@ -76,11 +77,20 @@ def test_logits_match_hf_forward_at_every_position(hf_checkpoint, kind, tie, kv_
     ("llama", False, False), ("llama", True, True), ("qwen2", False, True),
     ("qwen3", True, False)])
 def test_the_native_cpu_matmul_gives_hf_logits(hf_checkpoint, kind, tie, scan_layers):
-    """Every dense layer (and an untied head) through layers/dense.py's packed weights."""
+    """Every dense layer and the head (tied or not) through layers/dense.py's packed weights."""
     path = hf_checkpoint(kind, tie=tie)
     ids = np.random.default_rng(3).integers(2, 320, size=40).tolist()
     ours = forward_logits(path, ids, splits=[17], native_matmul=True, scan_layers=scan_layers)
     np.testing.assert_allclose(ours, hf_logits(path, ids), atol=1e-4, rtol=0)
+
+
+def test_a_tied_head_is_packed_once_and_the_embedding_reads_its_rows_there(hf_checkpoint):
+    loaded = load_model(str(hf_checkpoint("llama", tie=True)))
+    embed = np.asarray(loaded.params["embed"])
+    model = Llama(loaded.config, loaded.params, native_matmul=True)
+    assert model.lm_head is None and model.embed[...].shape == pack(embed.T).shape
+    ids = jnp.asarray([0, 31, 32, embed.shape[0] - 1, 5, 5], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(model._embed(ids)), embed[np.asarray(ids)])
 
 
 def test_the_native_cpu_path_keeps_every_array_on_the_weights_device(hf_checkpoint):
