@@ -1,8 +1,9 @@
 """The model step as jitted pure functions, and their static arguments: the model program
-`(weights, KV caches, inputs) -> (KV caches, logits, drafts)`, with the caches donated and
-their layout pinned, and the sampler program. Both read what the step before sampled on the
-device (`PrevSamples`): a step scheduled while it ran takes its sampled ids as inputs and its
-accepted drafts as the correction of its positions (spec_verify.py). A draft model's weights and caches are arguments
+`(weights, KV caches, inputs) -> (KV caches, logits, the sampler's rows)`, with the caches
+donated and their layout pinned, and the sampler program. Both read what the step before
+sampled on the device (`PrevSamples`): a step scheduled while it ran takes its sampled ids as
+inputs and its accepted drafts as the correction of its positions (spec_verify.py). A draft
+model's weights and caches are arguments
 too (speculative draft_model: its catch-up runs in every step, executor/draft_model.py); the
 drafting program proposes drafts on the device first (executor/device_drafts.py). The model
 runner calls these; the abstract step program (compile check, KV pool sizing) lowers them."""
@@ -34,7 +35,7 @@ ProgramKey = tuple[str, PackedLayout | None]  # (kind, the packed inputs' layout
 # The drafter's caches over the KV blocks, donated like the target's: the draft model's (k, v)
 # [L_d, Hkv_d, NB, BS, D_d], or n-gram's (token_cache,) i32[NB, BS]; None for the others.
 DraftKV = tuple[jax.Array, ...] | None
-STEP_LOGITS = 3  # `_step` returns (k_cache, v_cache, draft_kv, logits, drafts, rows)
+STEP_LOGITS = 3  # `_step` returns (k_cache, v_cache, draft_kv, logits, rows)
 
 
 class PrevSamples(NamedTuple):
@@ -95,7 +96,6 @@ class _Forward(NamedTuple):
     v_cache: jax.Array
     draft_kv: DraftKV
     logits_indices: jax.Array  # i32[S]
-    drafts: jax.Array  # i32[R, max_drafts], proposed on the device (none: [R, 0])
     rows: jax.Array  # i32[3, S]  spec_verify.sample_rows: the sampler's row drafts and shifts
 
 
@@ -112,21 +112,21 @@ def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cac
     model = nnx.merge(statics.graphdef, state)
     draft = None if statics.draft_graphdef is None else nnx.merge(statics.draft_graphdef,
                                                                   draft_state)
-    drafts = jnp.zeros((draft_starts.shape[0], 0), jnp.int32)
+    # Drafts are proposed into input_ids' draft slots, where the sampler's rows read them.
     if statics.ngram is not None:  # every step writes the tokens the lookup reads
         token_cache = write_tokens(draft_kv[0], input_ids, md)
         if statics.max_drafts:
-            input_ids, drafts = propose_ngram_drafts(
+            input_ids, _ = propose_ngram_drafts(
                 token_cache, *statics.ngram, statics.max_drafts, input_ids, md, draft_starts,
                 num_drafts)
             token_cache = write_tokens(token_cache, input_ids, md)  # the drafts too
         draft_kv = (token_cache,)
     elif statics.max_drafts and draft is None:  # layer skip: the target's first layers draft
-        input_ids, drafts, k_cache, v_cache = propose_drafts(
+        input_ids, _, k_cache, v_cache = propose_drafts(
             model, statics.draft_layers, statics.backend, statics.max_drafts, input_ids, md,
             draft_starts, num_drafts, k_cache, v_cache)
     elif statics.max_drafts:  # the draft model drafts, over its own cache
-        input_ids, drafts, draft_k, draft_v = propose_drafts(
+        input_ids, _, draft_k, draft_v = propose_drafts(
             draft, None, statics.backend, statics.max_drafts, input_ids, md, draft_starts,
             num_drafts, *draft_kv)
         draft_kv = (draft_k, draft_v)
@@ -141,17 +141,17 @@ def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cac
         (k_cache, v_cache, draft_kv))
     rows = sample_rows(input_ids, md.query_start_loc, logits_indices, draft_starts, num_drafts,
                        token_shift)
-    return _Forward(model, hidden, k_cache, v_cache, draft_kv, logits_indices, drafts, rows)
+    return _Forward(model, hidden, k_cache, v_cache, draft_kv, logits_indices, rows)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 6))
 def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
           v_cache: jax.Array, draft_state: nnx.State | None, draft_kv: DraftKV,
           prev: PrevSamples, inputs: jax.Array,
-          ) -> tuple[jax.Array, jax.Array, DraftKV, jax.Array, jax.Array, jax.Array]:
+          ) -> tuple[jax.Array, jax.Array, DraftKV, jax.Array, jax.Array]:
     f = _forward(statics, layout, state, k_cache, v_cache, draft_state, draft_kv, prev, inputs)
     return (f.k_cache, f.v_cache, f.draft_kv,
-            f.model.compute_logits(f.hidden[f.logits_indices]), f.drafts, f.rows)
+            f.model.compute_logits(f.hidden[f.logits_indices]), f.rows)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 7))
@@ -160,27 +160,31 @@ def _step_prompt_logprobs(statics: StepStatics, layout: PackedLayout, num_top: i
                           draft_state: nnx.State | None, draft_kv: DraftKV,
                           prev: PrevSamples, inputs: jax.Array, targets: jax.Array,
                           ) -> tuple[jax.Array, jax.Array, DraftKV, jax.Array, jax.Array,
-                                     jax.Array, TokenLogprobs]:
+                                     TokenLogprobs]:
     """`_step`, plus every token row's logprob of `targets` (i32[T], the next prompt token):
     a separate program per token bucket, run only for steps where a row asks."""
     f = _forward(statics, layout, state, k_cache, v_cache, draft_state, draft_kv, prev, inputs)
     # The sampler's rows as in `_step` (the same tokens with or without prompt logprobs).
     logits = f.model.compute_logits(f.hidden[f.logits_indices])            # f32[S, V]
-    return f.k_cache, f.v_cache, f.draft_kv, logits, f.drafts, f.rows, token_logprobs(
+    return f.k_cache, f.v_cache, f.draft_kv, logits, f.rows, token_logprobs(
         f.model.compute_logits(f.hidden), targets, num_top)                # over [T, V]
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _sample(layout: PackedLayout, logits: jax.Array, prev: PrevSamples, rows: jax.Array,
-            inputs: jax.Array) -> tuple[SamplerOutput, PrevSamples]:
+            inputs: jax.Array) -> tuple[SamplerOutput, PrevSamples, jax.Array]:
     # inputs: i32[n], the packed SamplingMetadata; rows: i32[3, S] from the model step. Also
-    # returns what the next step's inputs read: `prev` with its first S rows replaced.
+    # returns what the next step's inputs read (`prev` with its first S rows replaced), and
+    # what the host reads back, in one array: i32[2, S], the sampled ids and the drafts each
+    # row's request accepted.
     md = unpack(layout, inputs)
     # A request that moved back moves its step keys too: (seed, step) as without drafts.
     out = sample(logits, dataclasses.replace(md, steps=md.steps - rows[2]))
     S = out.sampled.shape[0]
-    return out, PrevSamples(prev.sampled.at[:S].set(out.sampled),
-                            prev.accepted.at[:S].set(accepted_drafts(out.sampled, rows)))
+    accepted = accepted_drafts(out.sampled, rows)
+    return (out, PrevSamples(prev.sampled.at[:S].set(out.sampled),
+                             prev.accepted.at[:S].set(accepted)),
+            jnp.stack([out.sampled, accepted]))
 
 
 def replicated(sharding: NamedSharding) -> NamedSharding:

@@ -64,7 +64,8 @@ class PendingStep(NamedTuple):
     out: SamplerOutput  # device arrays, possibly still being computed
     prompt_plan: PromptLogprobsPlan | None = None
     prompt_out: TokenLogprobs | None = None  # device arrays, with prompt_plan
-    drafts: jax.Array | None = None  # i32[R, max_drafts]: proposed on the device this step
+    # i32[2, S]: the sampled ids, and the drafts each row's request accepted
+    ids: jax.Array | None = None
 
 
 class _LastStep(NamedTuple):
@@ -159,8 +160,8 @@ class ModelRunner:
                 arrays, [self.batch.requests[r] for r in arrays.req_ids],
                 self.config.model.max_logprobs)
         with self.timings.phase("dispatch"):
-            out, prompt_out, drafts = self._run(arrays, sampling, prompt_plan)
-            pending = PendingStep(arrays, rows, out, prompt_plan, prompt_out, drafts)
+            out, prompt_out, ids = self._run(arrays, sampling, prompt_plan)
+            pending = PendingStep(arrays, rows, out, prompt_plan, prompt_out, ids)
         self.batch.mark_pending(arrays)
         self.running_rows = {req_id: (int(arrays.sample_starts[i]), int(arrays.num_drafts[i]))
                              for i, req_id in enumerate(arrays.req_ids)
@@ -170,15 +171,11 @@ class ModelRunner:
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
         if pending is None:
             return ModelRunnerOutput([], [])
-        arrays, rows, out, prompt_plan, prompt_out, device_drafts = pending
+        arrays, rows, out, prompt_plan, prompt_out, ids = pending
         with self.timings.phase("device"):
-            sampled = to_host(out.sampled)[:len(rows)]  # the step's one device -> host wait
+            sampled, accepted = to_host(ids)[:, :len(rows)]  # the step's one device -> host wait
         with self.timings.phase("update"):
-            drafts = arrays.draft_token_ids
-            if device_drafts is not None and any(drafts):
-                proposed = to_host(device_drafts)
-                drafts = [proposed[i, :len(d)] for i, d in enumerate(drafts)]
-            tokens = accepted_tokens(sampled, arrays.sample_starts, drafts)
+            tokens = accepted_tokens(sampled, accepted, arrays.sample_starts)
             self.batch.append_sampled(arrays, tokens)
             if prompt_out is not None:
                 record_prompt_logprobs(prompt_plan, *(to_host(x) for x in (
@@ -193,7 +190,7 @@ class ModelRunner:
 
     def _run(self, arrays: StepArrays, sampling: SamplingMetadata,
              prompt_plan: PromptLogprobsPlan | None = None,
-             ) -> tuple[SamplerOutput, TokenLogprobs | None, jax.Array | None]:
+             ) -> tuple[SamplerOutput, TokenLogprobs | None, jax.Array]:
         inputs, layout = step_inputs(arrays)
         prev, prompt_out = self.prev, None
         shape = (len(arrays.input_ids), len(arrays.seq_lens), len(arrays.logits_indices),
@@ -201,7 +198,7 @@ class ModelRunner:
         if prompt_plan is not None:
             num_top = self.config.model.max_logprobs
             self._count_shape(("step_prompt_logprobs", *shape, num_top))
-            (self.k_cache, self.v_cache, self.draft_kv, logits, drafts, rows,
+            (self.k_cache, self.v_cache, self.draft_kv, logits, rows,
              prompt_out) = _step_prompt_logprobs(
                 self._statics(arrays), layout, num_top, *self._weights_and_caches(), prev,
                 replicate(inputs, self.mesh), replicate(prompt_plan.targets, self.mesh))
@@ -209,8 +206,7 @@ class ModelRunner:
             key = step_key(arrays, layout)
             if key not in self.executables:
                 self._count_shape((key[0], *shape))
-            logits, drafts, rows = self._call_step(arrays, key, prev,
-                                                   replicate(inputs, self.mesh))
+            logits, rows = self._call_step(arrays, key, prev, replicate(inputs, self.mesh))
         sampling_inputs, sampling_layout = pack(sampling)
         if ("sample", sampling_layout) not in self.executables:
             self._count_shape(("sample", len(arrays.logits_indices),
@@ -219,11 +215,11 @@ class ModelRunner:
                                sampling.blocked_token_ids.shape[1],
                                sampling.token_bitmask.shape[1], sampling.all_greedy,
                                sampling.num_logprobs))
-        out, self.prev = self._call_sampler(sampling_layout, logits, prev, rows,
-                                            replicate(sampling_inputs, self.mesh))
+        out, self.prev, ids = self._call_sampler(sampling_layout, logits, prev, rows,
+                                                 replicate(sampling_inputs, self.mesh))
         self._last_step = _LastStep(arrays, layout, prev, inputs, sampling_layout,
                                     sampling_inputs, weakref.ref(self.k_cache))
-        return out, prompt_out, drafts if arrays.device_drafts else None
+        return out, prompt_out, ids
 
     def _statics(self, arrays: StepArrays) -> StepStatics:
         return self.draft_statics if arrays.device_drafts else self.statics
@@ -234,17 +230,18 @@ class ModelRunner:
         return self.params, self.k_cache, self.v_cache, self.draft_params, self.draft_kv
 
     def _call_step(self, arrays: StepArrays, key: ProgramKey, prev: PrevSamples,
-                   inputs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The model step (`key`: from `step_key`): (logits f32[S, V], device drafts
-        i32[R, max_drafts], the sample rows' drafts and shifts i32[3, S])."""
+                   inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The model step (`key`: from `step_key`): (logits f32[S, V], the sample rows' drafts
+        and shifts i32[3, S])."""
         args = (*self._weights_and_caches(), prev, inputs)
         step = self.executables.get(key)
-        self.k_cache, self.v_cache, self.draft_kv, logits, drafts, rows = (
+        self.k_cache, self.v_cache, self.draft_kv, logits, rows = (
             _step(self._statics(arrays), key[1], *args) if step is None else step(*args))
-        return logits, drafts, rows
+        return logits, rows
 
     def _call_sampler(self, layout: PackedLayout, logits: jax.Array, prev: PrevSamples,
-                      rows: jax.Array, inputs: jax.Array) -> tuple[SamplerOutput, PrevSamples]:
+                      rows: jax.Array, inputs: jax.Array,
+                      ) -> tuple[SamplerOutput, PrevSamples, jax.Array]:
         sample_fn = self.executables.get(("sample", layout))
         return (_sample(layout, logits, prev, rows, inputs) if sample_fn is None
                 else sample_fn(logits, prev, rows, inputs))
@@ -263,7 +260,7 @@ class ModelRunner:
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            logits, _, rows = self._call_step(last.arrays, step_key(last.arrays, last.layout),
+            logits, rows = self._call_step(last.arrays, step_key(last.arrays, last.layout),
                                               last.prev, replicate(last.inputs, self.mesh))
             jax.block_until_ready(self._call_sampler(
                 last.sampling_layout, logits, last.prev, rows,

@@ -22,24 +22,18 @@ import numpy as np
 from jaxserve.layers.attention import AttentionMetadata
 
 
-def accepted_tokens(sampled: np.ndarray, sample_starts: np.ndarray,
-                    drafts: list[list[int]] | list[np.ndarray]) -> list[list[int]]:
-    """sampled i32[S]: the token sampled at every sample row; request i's rows are
-    sample_starts[i] .. sample_starts[i + 1] - 1 (one per draft, then its own). Per request:
-    the accepted drafts and the token sampled after them."""
-    if sample_starts[-1] == len(drafts):  # no drafts: one row a request (the plain step)
-        return [[t] for t in sampled[:len(drafts)].tolist()]
-    out = []
-    for i, d in enumerate(drafts):
-        rows = sampled[sample_starts[i]:sample_starts[i + 1]]
-        num_drafts = len(d)
-        if num_drafts == 0:
-            out.append([int(rows[0])])
-            continue
-        mismatch = np.flatnonzero(rows[:num_drafts] != np.asarray(d))
-        accepted = int(mismatch[0]) if mismatch.size else num_drafts
-        out.append(rows[:accepted + 1].tolist())
-    return out
+def accepted_tokens(sampled: np.ndarray, accepted: np.ndarray,
+                    sample_starts: np.ndarray) -> list[list[int]]:
+    """sampled i32[S]: the token sampled at every sample row; accepted i32[S]: the drafts each
+    row's request accepted (`accepted_drafts`); request i's rows are sample_starts[i] ..
+    sample_starts[i + 1] - 1 (one per draft, then its own). Per request: its accepted drafts,
+    which are the samples at their rows, and the token sampled after them."""
+    starts = sample_starts[:-1]
+    if len(starts) == sample_starts[-1]:  # no drafts: one row a request (the plain step)
+        return [[t] for t in sampled[:len(starts)].tolist()]
+    ends = starts + accepted[starts] + 1
+    tokens = sampled.tolist()
+    return [tokens[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
 
 # ---- on the device: a step scheduled while the one before it ran (async scheduling) ----------
