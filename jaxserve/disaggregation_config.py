@@ -34,7 +34,8 @@ PARALLEL_KEYS = frozenset({"devices", "num_devices", "tensor_parallel_size",
 # Per-side engine arguments; the rest of the engine configuration is shared by both sides.
 SIDE_ENGINE_KEYS = frozenset({
     "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-    "max_num_partial_prefills", "enable_chunked_prefill", "scheduling_policy", "enable_mixed_batching", "num_kv_blocks",
+    "max_num_partial_prefills", "enable_chunked_prefill", "scheduling_policy",
+    "enable_mixed_batching", "num_kv_blocks",
     "cpu_kv_cache_space_gib", "gpu_memory_utilization", "enable_prefix_caching",
     "token_buckets", "request_buckets", "attention_backend"})
 ENV_KEY = "env"  # socket connector only: extra environment of the prefill process

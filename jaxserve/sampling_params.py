@@ -220,7 +220,8 @@ class SamplingParams:
         if ids is None:
             return []
         if not isinstance(ids, (list, tuple)) or any(
-                isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t <= INT32_MAX
+                isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                or not 0 <= t <= INT32_MAX
                 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of integers in [0, {INT32_MAX}], "
                              f"got {ids!r}")

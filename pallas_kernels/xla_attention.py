@@ -38,7 +38,8 @@ def write_kv(
 ) -> tuple[jax.Array, jax.Array]:
     block_size = k_cache.shape[3]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    # The indexed dims are split by the head slice, so the indexed axis (T) leads: values [T, Hkv, D].
+    # The indexed dims are split by the head slice, so the indexed axis (T) leads: values
+    # [T, Hkv, D].
     k_cache = k_cache.at[layer, :, blocks, offsets].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, :, blocks, offsets].set(v.astype(v_cache.dtype))
     return k_cache, v_cache

@@ -1,6 +1,7 @@
 """The full HTTP fuzz of issue 21: schemathesis over every operation (200 valid and 200 invalid
 examples per operation by default, integers unbounded) against `jaxserve serve`, while another
-process (the fuzzer's own work must not delay it) probes /health every 50 ms. Writes the counts and the /health latencies as a table.
+process (the fuzzer's own work must not delay it) probes /health every 50 ms. Writes the
+counts and the /health latencies as a table.
 
     python scripts/http_fuzz_health.py [--examples 200]
 

@@ -67,7 +67,8 @@ class EngineStats:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        queries = self.prefix_cache_queries
+        return self.prefix_cache_hits / queries if queries else 0.0
 
 
 @dataclass(slots=True)

@@ -3,10 +3,10 @@
 donated and their layout pinned, and the sampler program. Both read what the step before
 sampled on the device (`PrevSamples`): a step scheduled while it ran takes its sampled ids as
 inputs and its accepted drafts as the correction of its positions (spec_verify.py). A draft
-model's weights and caches are arguments
-too (speculative draft_model: its catch-up runs in every step, executor/draft_model.py); the
-drafting program proposes drafts on the device first (executor/device_drafts.py). The model
-runner calls these; the abstract step program (compile check, KV pool sizing) lowers them."""
+model's weights and caches are arguments too (speculative draft_model: its catch-up runs in
+every step, executor/draft_model.py); the drafting program proposes drafts on the device first
+(executor/device_drafts.py). The model runner calls these; the abstract step program (compile
+check, KV pool sizing) lowers them."""
 
 from __future__ import annotations
 

@@ -2,9 +2,11 @@
 
 A step is two jitted pure functions (executor/device_step.py): the model `(params, kv_caches,
 batch) -> (kv_caches, logits)`, with the KV cache donated (a draft model's weights and cache
-are arguments too), then the sampler `(logits, sampling) -> (sampled, logprobs)`. The model's shapes come only from the bucket lists, so after warm-up
-it never compiles again; the sampler's also depend on the padded token-history widths that
-penalties need, and compiling a new width recompiles only the sampler. The runner counts
+are arguments too), then the sampler `(logits, sampling) -> (sampled, logprobs)`, whose
+sampled ids and accepted-draft counts are the one array the host reads back. The model's
+shapes come only from the bucket lists, so after warm-up it never compiles again; the
+sampler's also depend on the padded token-history widths that penalties need, and compiling a
+new width recompiles only the sampler. The runner counts
 compilations and, in strict mode, raises on a new one.
 
 A step may be launched before the previous one's sampled ids reach the host (async
@@ -62,10 +64,9 @@ class PendingStep(NamedTuple):
     arrays: StepArrays
     rows: list[RowSpec]
     out: SamplerOutput  # device arrays, possibly still being computed
+    ids: jax.Array  # i32[2, S]: the sampled ids, and the drafts each row's request accepted
     prompt_plan: PromptLogprobsPlan | None = None
     prompt_out: TokenLogprobs | None = None  # device arrays, with prompt_plan
-    # i32[2, S]: the sampled ids, and the drafts each row's request accepted
-    ids: jax.Array | None = None
 
 
 class _LastStep(NamedTuple):
@@ -161,7 +162,7 @@ class ModelRunner:
                 self.config.model.max_logprobs)
         with self.timings.phase("dispatch"):
             out, prompt_out, ids = self._run(arrays, sampling, prompt_plan)
-            pending = PendingStep(arrays, rows, out, prompt_plan, prompt_out, ids)
+            pending = PendingStep(arrays, rows, out, ids, prompt_plan, prompt_out)
         self.batch.mark_pending(arrays)
         self.running_rows = {req_id: (int(arrays.sample_starts[i]), int(arrays.num_drafts[i]))
                              for i, req_id in enumerate(arrays.req_ids)
@@ -171,7 +172,7 @@ class ModelRunner:
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
         if pending is None:
             return ModelRunnerOutput([], [])
-        arrays, rows, out, prompt_plan, prompt_out, ids = pending
+        arrays, rows, out, ids, prompt_plan, prompt_out = pending
         with self.timings.phase("device"):
             sampled, accepted = to_host(ids)[:, :len(rows)]  # the step's one device -> host wait
         with self.timings.phase("update"):

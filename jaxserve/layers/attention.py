@@ -23,7 +23,8 @@ BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas_interpret")
 @dataclass(frozen=True)
 class AttentionMetadata:
     positions: jax.Array  # i32[T_padded]
-    slot_mapping: jax.Array  # i32[T_padded]  block_id * block_size + offset; padding -> 0 (null block)
+    # i32[T_padded]  block_id * block_size + offset; padding -> 0 (the null block)
+    slot_mapping: jax.Array
     query_start_loc: jax.Array  # i32[R_padded + 1]  padding requests are empty
     seq_lens: jax.Array  # i32[R_padded]  tokens in the KV cache after this step
     block_tables: jax.Array  # i32[R_padded, max_blocks_per_seq]

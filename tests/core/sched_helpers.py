@@ -132,7 +132,8 @@ class Harness:
         tokens = tokens or {}
         ids = list(record.out.num_scheduled_tokens)
         sampled = [tokens.get(rid, FIRST_SAMPLED + self.all[rid].num_output_tokens) for rid in ids]
-        record.outputs = self.sched.update_from_output(record.out, ModelRunnerOutput(ids, [[t] for t in sampled]))
+        record.outputs = self.sched.update_from_output(
+            record.out, ModelRunnerOutput(ids, [[t] for t in sampled]))
         return record
 
     def step(self, tokens: dict[str, int] | None = None) -> StepRecord:

@@ -1,4 +1,5 @@
-"""Same greedy tokens whatever the schedule: caching, chunking, threshold, batch size, preemption."""
+"""Same greedy tokens whatever the schedule: caching, chunking, threshold, batch size,
+preemption."""
 
 from __future__ import annotations
 
