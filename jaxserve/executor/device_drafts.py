@@ -33,11 +33,11 @@ from jaxserve.models.llama import Llama
 def propose_drafts(model: Llama, num_layers: int | None, backend: AttentionBackend,
                    max_drafts: int, input_ids: jax.Array, md: AttentionMetadata,
                    draft_starts: jax.Array, num_drafts: jax.Array, k_cache: jax.Array,
-                   v_cache: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                   v_cache: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Draft with `model` (its first `num_layers` layers; None: all) over its own caches.
     input_ids i32[T]: the step's inputs (drafts as placeholders); draft_starts i32[R]: each
     request's last known token (its row in the step), num_drafts i32[R]: its drafts (0: none).
-    Returns (input_ids with the drafts in place, drafts i32[R, max_drafts], k_cache, v_cache)."""
+    Returns (input_ids with the drafts in place, k_cache, v_cache)."""
     num_rows = draft_starts.shape[0]
     start = jnp.maximum(draft_starts, 0)
     rows = jnp.arange(num_rows + 1, dtype=jnp.int32)
@@ -57,7 +57,7 @@ def propose_drafts(model: Llama, num_layers: int | None, backend: AttentionBacke
     drafts = jnp.zeros((num_rows, max_drafts), jnp.int32)
     _, drafts, k_cache, v_cache = jax.lax.fori_loop(
         0, max_drafts, draft, (input_ids[start], drafts, k_cache, v_cache))
-    return place_drafts(input_ids, drafts, start, num_drafts), drafts, k_cache, v_cache
+    return place_drafts(input_ids, drafts, start, num_drafts), k_cache, v_cache
 
 
 def write_tokens(token_cache: jax.Array, input_ids: jax.Array, md: AttentionMetadata,

@@ -122,11 +122,11 @@ def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cac
             token_cache = write_tokens(token_cache, input_ids, md)  # the drafts too
         draft_kv = (token_cache,)
     elif statics.max_drafts and draft is None:  # layer skip: the target's first layers draft
-        input_ids, _, k_cache, v_cache = propose_drafts(
+        input_ids, k_cache, v_cache = propose_drafts(
             model, statics.draft_layers, statics.backend, statics.max_drafts, input_ids, md,
             draft_starts, num_drafts, k_cache, v_cache)
     elif statics.max_drafts:  # the draft model drafts, over its own cache
-        input_ids, _, draft_k, draft_v = propose_drafts(
+        input_ids, draft_k, draft_v = propose_drafts(
             draft, None, statics.backend, statics.max_drafts, input_ids, md, draft_starts,
             num_drafts, *draft_kv)
         draft_kv = (draft_k, draft_v)
