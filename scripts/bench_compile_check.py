@@ -1,6 +1,7 @@
 """Every TPU/GPU preset's model step, every bucket, compiled deviceless for its own target at its
 own settings (`jaxserve compile-check`, run in .venv-tpu / .venv-gpu): memory, KV capacity,
-cache copies, compile seconds and bytes accessed per bucket, and the whole set's compile time.
+cache and weight copies, compile seconds and bytes accessed per bucket, and the whole set's
+compile time.
 
     python scripts/bench_compile_check.py [--presets tpu-v5e-llama3-8b ...] [--num-layers N]
 
@@ -84,6 +85,8 @@ def main() -> int:
             f"{worst_temp / GIB:.3f} ({worst_temp / report['hbm_bytes']:.2%})",
             f"{len(compiled)}/{len(report['buckets'])}",
             sum(b["cache_copies"] for b in compiled),
+            "n/a" if any(b["weight_copies"] is None for b in compiled)
+            else sum(b["weight_copies"] for b in compiled),
             f"{sum(b['compile_seconds'] for b in compiled):.0f}",
             "n/a" if wall != wall else f"{wall:.0f}",
             "PASS" if not report["failures"] else "FAIL: " + "; ".join(report["failures"][:3])])
@@ -93,7 +96,7 @@ def main() -> int:
                 name, b["num_tokens"], b["num_reqs"], "yes" if b["compiled"] else b["error"],
                 f"{b['compile_seconds']:.1f}", f"{b['temp_bytes'] / GIB:.3f}",
                 f"{b['total_bytes'] / GIB:.2f} / {report['hbm_bytes'] / GIB:.0f}",
-                b["cache_copies"],
+                b["cache_copies"], "n/a" if b["weight_copies"] is None else b["weight_copies"],
                 "n/a" if accessed is None else f"{accessed / 1e9:.2f}",
                 "n/a" if accessed is None else f"{accessed / report['weight_bytes']:.2f}"])
     body = (
@@ -102,13 +105,19 @@ def main() -> int:
         "HBM x gpu_memory_utilization minus weights and the largest step's temporaries. Layers "
         "are scanned (the TPU/GPU default), so XLA's cost analysis counts the loop body once: "
         "'GB accessed' is one layer's traffic plus the embedding, LM head and sampler inputs, "
-        "outside the Pallas kernels. GPU: no cost analysis without a device.\n\n"
+        "outside the Pallas kernels. GPU: no cost analysis without a device. Cache copies: "
+        "copy/transpose ops of at least one KV layer's size; weight copies: of a stacked "
+        "layer weight's dims, the whole stack or one layer's slice (a relayout read and written "
+        "every step); n/a where layers are unrolled (tpu7x), whose weights share their dims "
+        "with activations.\n\n"
         + markdown_table(["preset", "target", "layers", "TP", "weights GiB/dev", "KV GiB/dev",
                           "blocks x size", "max temporaries GiB (% HBM)", "compiled",
-                          "cache copies", "compile s (sum)", "wall s", "gate"], summary)
+                          "cache copies", "weight copies", "compile s (sum)", "wall s", "gate"],
+                         summary)
         + "\n\nPer bucket:\n\n"
         + markdown_table(["preset", "T", "R", "compiled", "seconds", "temporaries GiB",
-                          "total GiB / HBM", "cache copies", "GB accessed", "/ weight bytes"],
+                          "total GiB / HBM", "cache copies", "weight copies", "GB accessed",
+                          "/ weight bytes"],
                          buckets)
         + ("\n\n" + "\n".join(notes) if notes else ""))
     write_result("bench_compile_check", "Deviceless compile of every TPU/GPU preset", body)

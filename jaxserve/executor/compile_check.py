@@ -4,8 +4,10 @@ Abstract weights (shapes and shardings only) go through the same jitted `_step` 
 calls, with the same TP sharding rules and attention backend, and the target's own compiler
 (libtpu for TPU topologies, the CUDA compile-only plugin for GPU descriptions) builds it. What
 the compiler reports is deterministic: per-device memory, the ops that copy or transpose a
-buffer as large as a layer of the KV cache, and the bytes its cost model says the step moves
-outside the Pallas kernels (XLA's cost analysis does not see inside custom calls).
+buffer as large as a layer of the KV cache or an array of a weight's shape (a whole stack, or
+one layer's slice: a relaid-out weight is read and written again every step), and the bytes its
+cost model says the step moves outside the Pallas kernels (XLA's cost analysis does not see
+inside custom calls).
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ class BucketReport:
     compile_seconds: float = 0.0
     temp_bytes: int = 0
     total_bytes: int = 0  # arguments + outputs - aliased + temporaries, per device
-    cache_copies: int = 0  # copy/transpose ops of >= one layer of the KV cache
+    cache_copies: int = 0  # copy/transpose ops of >= one layer of the KV cache, not weights
+    # copy/transpose ops of a stacked weight's dims (>= 1 MiB); None: layers unrolled, unchecked
+    weight_copies: int | None = None
     bytes_accessed: float | None = None  # outside the Pallas kernels; None where not reported
 
 
@@ -70,6 +74,8 @@ class CompileReport:
     layer_kv_bytes: int  # per device: the smaller of the caches' layers, the copy gate's size
     draft_num_layers: int = 0  # speculative draft_model: the draft's layers
     buckets: list[BucketReport] = field(default_factory=list)
+    # per device: each stacked layer weight's dims and one layer's slice of it (>= 1 MiB)
+    weight_dims: set[tuple[int, ...]] = field(default_factory=set, repr=False)
 
     @property
     def kv_tokens(self) -> int:
@@ -85,6 +91,8 @@ class CompileReport:
                 continue
             if b.cache_copies:
                 out.append(f"{where}: {b.cache_copies} copies of the KV cache")
+            if b.weight_copies:
+                out.append(f"{where}: {b.weight_copies} copies of weights")
             if b.temp_bytes > max_temp_fraction * self.hbm_bytes:
                 out.append(f"{where}: temporaries {b.temp_bytes / 2**30:.2f} GiB over "
                            f"{max_temp_fraction:.0%} of HBM")
@@ -93,7 +101,9 @@ class CompileReport:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"kv_tokens": self.kv_tokens, "failures": self.failures()}
+        out = asdict(self) | {"kv_tokens": self.kv_tokens, "failures": self.failures()}
+        del out["weight_dims"]
+        return out
 
 
 # ---- the abstract model --------------------------------------------------------------------
@@ -147,34 +157,62 @@ def per_device_bytes(tree: Any) -> int:
                for x in jax.tree.leaves(tree))
 
 
+def weight_dims(state: Any, scan_layers: bool) -> set[tuple[int, ...]]:
+    """Dims of each stacked layer weight as a device holds it, and of one layer's slice of it
+    ([1, ...]), for those of at least 1 MiB (norms and biases are left out). Empty where layers
+    are unrolled: a layer's weight then shares its dims with activations (a [T, D] residual
+    at T = a weight's rows), so dims alone cannot tell a relaid-out weight."""
+    out = set()
+    if not scan_layers:
+        return out
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        dims = tuple(x.sharding.shard_shape(x.shape))
+        if ("layers" in (getattr(k, "key", None) for k in path)
+                and np.prod(dims) * jnp.dtype(x.dtype).itemsize >= MIN_WEIGHT_COPY_BYTES):
+            out |= {dims, (1, *dims[1:])}
+    return out
+
+
 # ---- one compile ---------------------------------------------------------------------------
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?\S+ = (?P<shape>.+?) (?P<op>[a-z][a-z0-9\-]*)\(")
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _COPY_OPS = ("copy", "copy-start", "transpose")
+MIN_WEIGHT_COPY_BYTES = 1 << 20
 
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
-def _array_bytes(shape_text: str) -> int:
-    """Bytes of an HLO shape's (first) array, e.g. `bf16[32,2,4096,64,128]{...}`."""
+def _array(shape_text: str) -> tuple[tuple[int, ...], int]:
+    """Dims and bytes of an HLO shape's (first) array, e.g. `bf16[32,2,4096,64,128]{...}`."""
     match = _ARRAY.search(shape_text)
     if match is None:
-        return 0
-    dims = [int(d) for d in match.group(2).split(",") if d]
-    return int(np.prod(dims)) * _ITEMSIZE.get(match.group(1), 1)
+        return (), 0
+    dims = tuple(int(d) for d in match.group(2).split(",") if d)
+    return dims, int(np.prod(dims)) * _ITEMSIZE.get(match.group(1), 1)
 
 
-def count_large_copies(hlo_text: str, min_bytes: int) -> int:
-    """Ops in compiled HLO that copy or transpose a buffer of at least min_bytes."""
-    count = 0
-    for line in hlo_text.splitlines():
-        match = _INSTRUCTION.match(line)
-        if match and match.group("op") in _COPY_OPS and _array_bytes(
-                match.group("shape")) >= min_bytes:
-            count += 1
-    return count
+def copied_arrays(hlo_text: str, ops: tuple[str, ...] = _COPY_OPS,
+                  ) -> list[tuple[tuple[int, ...], int]]:
+    """Dims and bytes of what each of `ops` in compiled HLO writes."""
+    return [_array(match.group("shape")) for match in map(_INSTRUCTION.match,
+                                                          hlo_text.splitlines())
+            if match and match.group("op") in ops]
+
+
+def count_large_copies(hlo_text: str, min_bytes: int,
+                       weights: set[tuple[int, ...]] = frozenset()) -> int:
+    """Ops in compiled HLO that copy or transpose a buffer of at least min_bytes, other than
+    arrays of a weight's dims (`weights`: count_weight_copies counts those)."""
+    return sum(size >= min_bytes and d not in weights for d, size in copied_arrays(hlo_text))
+
+
+def count_weight_copies(hlo_text: str, dims: set[tuple[int, ...]]) -> int:
+    """Ops in compiled HLO that relay out an array of a weight's dims. A `copy-start` is left
+    out: TPU uses it to prefetch a buffer into on-chip memory as it is laid out."""
+    return sum(d in dims and size >= MIN_WEIGHT_COPY_BYTES
+               for d, size in copied_arrays(hlo_text, ("copy", "transpose")))
 
 
 def _first_line(e: Exception) -> str:
@@ -183,7 +221,8 @@ def _first_line(e: Exception) -> str:
 
 
 def compile_bucket(program: StepProgram, num_tokens: int, num_reqs: int,
-                   layer_kv_bytes: int, num_sample_rows: int | None = None,
+                   layer_kv_bytes: int, weights: set[tuple[int, ...]],
+                   num_sample_rows: int | None = None,
                    device_drafts: bool = False) -> BucketReport:
     report = BucketReport(num_tokens, num_reqs, num_sample_rows or num_reqs, device_drafts)
     start = time.perf_counter()
@@ -198,7 +237,9 @@ def compile_bucket(program: StepProgram, num_tokens: int, num_reqs: int,
     report.temp_bytes = int(mem.temp_size_in_bytes)
     report.total_bytes = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                              - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
-    report.cache_copies = count_large_copies(compiled.as_text(), layer_kv_bytes)
+    hlo = compiled.as_text()
+    report.cache_copies = count_large_copies(hlo, layer_kv_bytes, weights)
+    report.weight_copies = count_weight_copies(hlo, weights) if weights else None
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) and cost else cost
     if isinstance(cost, dict) and "bytes accessed" in cost:
@@ -255,6 +296,8 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
                            tp, jnp.dtype(dtype).name, bs, num_blocks, weight_bytes,
                            num_blocks * block_bytes, layer_kv_bytes,
                            0 if draft_cfg is None else draft_cfg.num_layers)
+    report.weight_dims = weight_dims(model.state, scan) | (
+        set() if draft is None else weight_dims(draft.state, scan))
     return program, report
 
 
@@ -267,8 +310,8 @@ def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
     k = num_speculative_tokens(config)
     for T, R in buckets or bucket_pairs(*step_buckets(config)):
         for S, drafting in step_variants(T, R, k):
-            report.buckets.append(compile_bucket(program, T, R, report.layer_kv_bytes, S,
-                                                 drafting))
+            report.buckets.append(compile_bucket(program, T, R, report.layer_kv_bytes,
+                                                 report.weight_dims, S, drafting))
     return report
 
 
@@ -282,20 +325,22 @@ def format_report(report: CompileReport) -> str:
             f"{report.kv_bytes / gib:.2f} GiB per device = {report.num_blocks} blocks of "
             f"{report.block_size} ({report.kv_tokens} tokens)")
     rows = ["| T | R | S | compiled | seconds | temporaries GiB | total GiB / HBM | cache copies "
-            "| GB accessed outside kernels | / weight bytes |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| weight copies | GB accessed outside kernels | / weight bytes |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in report.buckets:
         rows_sampled = f"{b.num_sample_rows}{' drafting' if b.device_drafts else ''}"
         if not b.compiled:
             rows.append(f"| {b.num_tokens} | {b.num_reqs} | {rows_sampled} | no: {b.error} "
-                        "| | | | | | |")
+                        "| | | | | | | |")
             continue
         accessed = ("n/a", "n/a") if b.bytes_accessed is None else (
             f"{b.bytes_accessed / 1e9:.2f}", f"{b.bytes_accessed / report.weight_bytes:.2f}")
         rows.append(f"| {b.num_tokens} | {b.num_reqs} | {rows_sampled} | yes | "
                     f"{b.compile_seconds:.1f} | "
                     f"{b.temp_bytes / gib:.3f} | {b.total_bytes / gib:.2f} / "
-                    f"{report.hbm_bytes / gib:.1f} | {b.cache_copies} | {accessed[0]} | "
+                    f"{report.hbm_bytes / gib:.1f} | {b.cache_copies} | "
+                    f"{'n/a' if b.weight_copies is None else b.weight_copies} | "
+                    f"{accessed[0]} | "
                     f"{accessed[1]} |")
     failures = report.failures()
     verdict = "PASS" if not failures else "FAIL\n" + "\n".join(f"- {f}" for f in failures)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.layers.dense import (DENSE_PARAMS, FUSED_DENSE, concat_columns, dense, pack,
@@ -158,7 +159,11 @@ class Llama(nnx.Module):
             return jnp.split(linear(x, fused), np.cumsum(widths)[:-1].tolist(), axis=-1)
 
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = linears(h, "wqkv")
+        # Row-major projections: left free, TPU's compiler folds the heads' reshape and the
+        # kernels' head-major transposes into these dots and relays out wq/wk/wv to suit them,
+        # rewriting those weights every step (a layer's slice, or the whole stack for layer skip).
+        q, k, v = (with_layout_constraint(y, Layout(major_to_minor=(0, 1)))
+                   for y in linears(h, "wqkv"))
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         T = x.shape[0]
