@@ -28,12 +28,13 @@ def accepted_tokens(sampled: np.ndarray, accepted: np.ndarray,
     row's request accepted (`accepted_drafts`); request i's rows are sample_starts[i] ..
     sample_starts[i + 1] - 1 (one per draft, then its own). Per request: its accepted drafts,
     which are the samples at their rows, and the token sampled after them."""
-    starts = sample_starts[:-1]
+    starts = sample_starts[:-1].tolist()
     if len(starts) == sample_starts[-1]:  # no drafts: one row a request (the plain step)
         return [[t] for t in sampled[:len(starts)].tolist()]
-    ends = starts + accepted[starts] + 1
-    tokens = sampled.tolist()
-    return [tokens[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+    # Python lists: numpy's gather from the fetched samples took ~25 us here, 10x its cost on
+    # arrays of its own (stories260K, a drafting step of one request)
+    tokens, counts = sampled.tolist(), accepted.tolist()
+    return [tokens[a:a + counts[a] + 1] for a in starts]
 
 
 # ---- on the device: a step scheduled while the one before it ran (async scheduling) ----------
