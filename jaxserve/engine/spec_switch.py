@@ -16,14 +16,21 @@ steps) would win whatever drafting did. The first `settle` steps of a turn are n
 with async scheduling a step returns the tokens of the step launched before it, so they would
 time one way's work as the other's. A step's tokens are counted per request that got any, as
 the batch drifts.
+
+Drafting is kept only when it measured `margin` faster: a few windows on a shared machine
+differ by several percent, and a wrong "on" held costs the drafting steps' whole price (a
+layer-skip step of a model whose drafts are never accepted: 2.5x a plain one), where a wrong
+"off" costs at most the margin.
 """
 
 from __future__ import annotations
 
 
 class SpeculationSwitch:
-    def __init__(self, window: int = 16, hold: int = 12, stride: int = 8, settle: int = 2):
+    def __init__(self, window: int = 16, hold: int = 12, stride: int = 8, settle: int = 2,
+                 margin: float = 0.05):
         self.window, self.hold, self.stride, self.settle = window, hold, stride, settle
+        self.margin = margin
         self.on = True
         self._exploring = True  # measuring both ways, not holding the winner
         self._steps = {True: 0, False: 0}  # counted steps of the current measurement or hold
@@ -53,7 +60,7 @@ class SpeculationSwitch:
         if min(self._steps.values()) >= self.window:
             rate = {w: self._tokens[w] / max(self._seconds[w], 1e-9) for w in (True, False)}
             self._reset(exploring=False)
-            winner = rate[True] > rate[False]
+            winner = rate[True] > rate[False] * (1 + self.margin)
             self._same_winner = self._same_winner + 1 if winner == self._held else 0
             self.on = self._held = winner
         elif self._in_a_row == self.stride or self._steps[way] >= self.window:
