@@ -16,6 +16,7 @@ import dataclasses
 import re
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -162,7 +163,7 @@ def weight_dims(state: Any, scan_layers: bool) -> set[tuple[int, ...]]:
     ([1, ...]), for those of at least 1 MiB (norms and biases are left out). Empty where layers
     are unrolled: a layer's weight then shares its dims with activations (a [T, D] residual
     at T = a weight's rows), so dims alone cannot tell a relaid-out weight."""
-    out = set()
+    out: set[tuple[int, ...]] = set()
     if not scan_layers:
         return out
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -202,7 +203,7 @@ def copied_arrays(hlo_text: str, ops: tuple[str, ...] = _COPY_OPS,
 
 
 def count_large_copies(hlo_text: str, min_bytes: int,
-                       weights: set[tuple[int, ...]] = frozenset()) -> int:
+                       weights: Collection[tuple[int, ...]] = ()) -> int:
     """Ops in compiled HLO that copy or transpose a buffer of at least min_bytes, other than
     arrays of a weight's dims (`weights`: count_weight_copies counts those)."""
     return sum(size >= min_bytes and d not in weights for d, size in copied_arrays(hlo_text))
@@ -340,8 +341,7 @@ def format_report(report: CompileReport) -> str:
                     f"{b.temp_bytes / gib:.3f} | {b.total_bytes / gib:.2f} / "
                     f"{report.hbm_bytes / gib:.1f} | {b.cache_copies} | "
                     f"{'n/a' if b.weight_copies is None else b.weight_copies} | "
-                    f"{accessed[0]} | "
-                    f"{accessed[1]} |")
+                    f"{accessed[0]} | {accessed[1]} |")
     failures = report.failures()
     verdict = "PASS" if not failures else "FAIL\n" + "\n".join(f"- {f}" for f in failures)
     return "\n".join([head, "", *rows, "", f"compile-check: {verdict}"])
