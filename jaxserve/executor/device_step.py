@@ -83,8 +83,8 @@ def step_statics(config: EngineConfig, graphdef: nnx.GraphDef, backend: Attentio
                  ) -> tuple[StepStatics, StepStatics | None]:
     """The plain program's statics and the drafting program's (None: no speculation)."""
     draft_layers, max_drafts, ngram = device_draft_statics(config)
-    plain = StepStatics(graphdef, backend, kv_sharding, draft_graphdef=draft_graphdef,
-                        ngram=ngram)
+    plain = StepStatics(graphdef, backend.without_drafts(), kv_sharding,
+                        draft_graphdef=draft_graphdef, ngram=ngram)
     return plain, StepStatics(graphdef, backend, kv_sharding, draft_layers, max_drafts,
                               draft_graphdef, ngram) if max_drafts else None
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import jax
@@ -60,6 +60,15 @@ class AttentionBackend:
 
     def _per_device(self, is_kernel: bool) -> bool:
         return is_kernel and self.mesh is not None and self.mesh.shape[AXIS] > 1
+
+    def without_drafts(self) -> AttentionBackend:
+        """The backend of a step that verifies no drafts, whose decodes are one row each: the
+        program the engine runs without speculation. (With room for drafts, a plain step of
+        8 decodes of dummy-30m measured 10-25% slower on the `cpu` backend, its program
+        otherwise the same.)"""
+        if self.name in ("xla", "cpu"):
+            return replace(self, kernel=_xla_kernel(1, self.name == "cpu"))
+        return self
 
     def write(self, k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array, k: jax.Array,
               v: jax.Array, md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
