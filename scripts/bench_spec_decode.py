@@ -51,7 +51,7 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512)  # few: every engine compiles 
 REQUEST_BUCKETS = (1, 8, 16, 32, 64)
 SIZES = {  # full run / --quick
     False: dict(max_model_len=512, num_kv_blocks=512, max_num_batched_tokens=512,
-                max_tokens=128, repeats=4, waves=2, span=32, prefix=16, mixed_prompt=(16, 256),
+                max_tokens=128, repeats=6, waves=2, span=32, prefix=16, mixed_prompt=(16, 256),
                 story_extra=40, cut=8),
     True: dict(max_model_len=256, num_kv_blocks=256, max_num_batched_tokens=256,
                max_tokens=24, repeats=1, waves=1, span=8, prefix=8, mixed_prompt=(8, 48),
