@@ -33,3 +33,13 @@ def test_backend_selection():
         get_attention_backend("cpu", "tpu")
     assert get_attention_backend("pallas_interpret", "cpu") == get_attention_backend(
         "pallas_interpret", "cpu")  # one object: the jitted step cache is keyed on it
+
+
+@pytest.mark.parametrize("name", ["cpu", "xla", "pallas_interpret"])
+def test_a_step_without_drafts_runs_the_backend_of_an_engine_without_speculation(name):
+    """A speculative engine's plain program (executor/device_step.py) takes this backend: its
+    decodes are one row each, the very program an engine without speculation runs."""
+    with_drafts = get_attention_backend(name, "cpu", decode_rows=5)
+    plain = get_attention_backend(name, "cpu")
+    assert (with_drafts == plain) == (name == "pallas_interpret")  # Pallas tiles any rows
+    assert with_drafts.without_drafts() == plain
