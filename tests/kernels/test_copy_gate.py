@@ -1,6 +1,7 @@
 """The compile check's copy gate on compiled HLO text: which ops count as copies of the KV cache
-and which as relaid-out weights. The lines are the target compiler's own (libtpu, v5e 2x2,
-Llama-3-8B at TP 4), from a step whose q/k/v projections used to relay out `wq` every step."""
+and which as relaid-out weights. The weight and activation lines are trimmed from the target
+compiler's own (libtpu, v5e 2x2, Llama-3-8B at TP 4), from steps whose q/k/v projections used to
+relay out wq/wk/wv every step; the KV copy and the dot are written in the same form."""
 
 from __future__ import annotations
 
