@@ -1,4 +1,4 @@
-"""The native CPU kernels (cpu_decode_attention.cc, cpu_matmul.cc), built into one library and
+"""The native CPU kernels (cpu_paged_attention.cc, cpu_matmul.cc), built into one library and
 registered as XLA FFI targets.
 
 The sources are compiled with the machine's C++ compiler on first use, against the headers
@@ -25,10 +25,10 @@ import jaxlib
 logger = logging.getLogger(__name__)
 
 # FFI target -> the library's handler symbol
-TARGETS = {"jaxserve_cpu_decode_attention": "JaxserveDecodeAttention",
+TARGETS = {"jaxserve_cpu_paged_attention": "JaxservePagedAttention",
            "jaxserve_cpu_matmul": "JaxserveMatmul"}
 _DIR = Path(__file__).parent
-_SOURCES = (_DIR / "cpu_decode_attention.cc", _DIR / "cpu_matmul.cc")
+_SOURCES = (_DIR / "cpu_paged_attention.cc", _DIR / "cpu_matmul.cc")
 _HEADERS = (_DIR / "cpu_parallel_for.h", _DIR / "cpu_vector.h")
 # Reassociation lets the compiler vectorise the dot products' sums. Not -ffast-math: linking
 # with it adds crtfastmath, whose constructor turns on flush-to-zero and denormals-are-zero for

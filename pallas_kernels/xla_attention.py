@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_decode_attention import attend_decodes as native_attend_decodes
-
 _MASK_VALUE = -1e30  # finite, so fully masked rows (padding) give 0 instead of NaN
 # A decode iteration gathers every decode's next pages: about this many bytes of K (V as many
 # again), and at most DECODE_CHUNK_TOKENS positions, so a few decodes in a long max_model_len
@@ -62,7 +60,6 @@ def ragged_paged_attention(
     max_query_tile: int = 32,
     decode_chunk_bytes: int = DECODE_CHUNK_BYTES,
     decode_rows: int = 1,
-    native_decodes: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Split-KV attention with work proportional to the KV each row can see.
 
@@ -79,9 +76,7 @@ def ragged_paged_attention(
     position, and from its first position's window. The tiles run a loop of
     ceil(items / items_per_iter) (default 8) iterations, each gathering its items' pages,
     computing their partial softmax (max, sum, weighted V) and folding them into per-tile
-    accumulators: padding tiles and short sequences beside a long one cost nothing.
-    `native_decodes` (CPU only) runs the decodes in cpu_decode_attention's native kernel instead,
-    which reads each request's pages once for all its rows, ~3x faster than this path."""
+    accumulators: padding tiles and short sequences beside a long one cost nothing."""
     T = q.shape[0]
     R = seq_lens.shape[0]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # i32[R]
@@ -92,12 +87,7 @@ def ragged_paged_attention(
                                sliding_window=sliding_window, soft_cap=soft_cap,
                                chunk_bytes=decode_chunk_bytes)
 
-    if native_decodes:
-        out = native_attend_decodes(
-            q, k_cache, v_cache, layer, seq_lens, block_tables, query_start_loc,
-            max_rows=decode_rows, sm_scale=sm_scale, sliding_window=sliding_window,
-            soft_cap=soft_cap)
-    elif decode_rows == 1:
+    if decode_rows == 1:
         out = attend_decodes(1)
     else:  # room for drafts (Q * G query rows a request) made a step of 32 plain decodes
         # ~10% slower (dummy-30m): only when some request has 2..decode_rows rows

@@ -1,6 +1,6 @@
 """Times the ragged paged-attention kernels against the pure-JAX reference on the present device.
 
-CPU: the `cpu` backend (the reference with its decodes in the native kernel) and both Pallas
+CPU: the `cpu` backend (the native kernel) and both Pallas
 kernels in interpret mode (small shapes). TPU: the Mosaic kernel. GPU: the Triton
 kernel. On a TPU or GPU it also reports achieved memory bandwidth, (KV pages + q bytes read) / time,
 as a fraction of the device's peak. Writes a markdown table to results/bench_attention.md.
@@ -25,6 +25,7 @@ import numpy as np
 
 from pallas_kernels import (
     cpu_native,
+    cpu_paged_attention,
     ragged_paged_attention_gpu,
     ragged_paged_attention_tpu,
     ragged_paged_attention_xla,
@@ -133,8 +134,7 @@ def backends(platform: str) -> dict[str, Callable[..., jax.Array]]:
         found["pallas gpu (triton)"] = ragged_paged_attention_gpu
     else:
         if cpu_native.available():
-            found["cpu (native decodes)"] = functools.partial(ragged_paged_attention_xla,
-                                                              native_decodes=True)
+            found["cpu (native)"] = cpu_paged_attention.ragged_paged_attention
         found["pallas tpu (interpret)"] = functools.partial(ragged_paged_attention_tpu,
                                                              interpret=True)
         found["pallas gpu (interpret)"] = functools.partial(ragged_paged_attention_gpu,

@@ -118,8 +118,8 @@ def main() -> None:
             f"ModelRunner.time_last_step); each row: the best of {args.rounds} rounds of the "
             "whole table (times and rates each at their best); engine step "
             "= the whole LLMEngine.step (host work included). A percentage is the share of the "
-            "bound reached (100% = at the bound). `cpu`: decodes and dense layers in the native "
-            "kernels (pallas_kernels/cpu_decode_attention.cc, cpu_matmul.cc); `xla`: all in "
+            "bound reached (100% = at the bound). `cpu`: attention and dense layers in the native "
+            "kernels (pallas_kernels/cpu_paged_attention.cc, cpu_matmul.cc); `xla`: all in "
             "XLA.")
     write_result("bench_decode_roofline", "Decode step against the memory-bandwidth bound", body)
 

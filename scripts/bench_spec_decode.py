@@ -75,7 +75,8 @@ def proposers(hf_dir: Path, num_layers: int, args: argparse.Namespace,
     accepted), so every greedy draft is accepted at the cost of a second full model."""
     half = args.layer_skip_layers or max(1, num_layers // 2)
     lookup_min, lookup_max = (int(n) for n in args.ngram_lookup.split("-"))
-    ngram = {**NGRAM, "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max}
+    ngram = {**NGRAM, "num_speculative_tokens": args.ngram_k, "prompt_lookup_min": lookup_min,
+             "prompt_lookup_max": lookup_max}
     return {
         "off": None,
         "off-sync": None,
@@ -337,6 +338,8 @@ def main() -> None:
                         "ngram-always: drafting never switched off)")
     p.add_argument("--ngram-lookup", default="1-4",
                    help="ngram's prompt_lookup_min-prompt_lookup_max (default 1-4)")
+    p.add_argument("--ngram-k", type=int, default=NGRAM["num_speculative_tokens"],
+                   help="ngram's num_speculative_tokens (default %(default)s)")
     p.add_argument("--layer-skip-layers", type=int, default=None,
                    help="layer_skip's num_layers (default: half the model's layers)")
     p.add_argument("--max-tokens", type=int, default=None,

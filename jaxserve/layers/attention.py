@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.layers.axes import AXIS
-from pallas_kernels import cpu_native, xla_attention
+from pallas_kernels import cpu_native, cpu_paged_attention, xla_attention
 
 BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas_interpret")
 
@@ -63,11 +63,10 @@ class AttentionBackend:
 
     def without_drafts(self) -> AttentionBackend:
         """The backend of a step that verifies no drafts, whose decodes are one row each: the
-        program the engine runs without speculation. (With room for drafts, a plain step of
-        8 decodes of dummy-30m measured 10-25% slower on the `cpu` backend, its program
-        otherwise the same.)"""
-        if self.name in ("xla", "cpu"):
-            return replace(self, kernel=_xla_kernel(1, self.name == "cpu"))
+        program the engine runs without speculation (the `xla` backend's decode path has room
+        for the drafts' rows otherwise)."""
+        if self.name == "xla":
+            return replace(self, kernel=_xla_kernel(1))
         return self
 
     def write(self, k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array, k: jax.Array,
@@ -98,10 +97,9 @@ class AttentionBackend:
 
 
 @functools.cache
-def _xla_kernel(decode_rows: int, native_decodes: bool) -> AttendFn:
+def _xla_kernel(decode_rows: int) -> AttendFn:
     # Cached so equal backends are one object: the jitted step's cache is keyed on it.
-    return functools.partial(xla_attention.ragged_paged_attention, decode_rows=decode_rows,
-                             native_decodes=native_decodes)
+    return functools.partial(xla_attention.ragged_paged_attention, decode_rows=decode_rows)
 
 
 @functools.cache
@@ -118,12 +116,12 @@ def _pallas_kernels(kind: str, interpret: bool) -> tuple[AttendFn, WriteFn]:
 def get_attention_backend(name: str, platform: str | None = None, mesh: Mesh | None = None,
                           decode_rows: int = 1) -> AttentionBackend:
     """`auto` is the Pallas kernel on TPU and GPU, and on CPU `cpu` where its native kernels
-    build, else `xla`. `cpu` is `xla` with the decodes in a native C++ kernel (compiled on
-    first use); the model then runs its dense layers natively too (layers/dense.py).
-    `pallas_interpret` runs the TPU kernel's program in Pallas interpret mode (any platform,
-    for tests). `decode_rows`: the `xla` and `cpu` backends' decode path takes
-    requests of up to this many query rows (1 + the speculative tokens, so a verifying decode
-    shares its pages across its rows); the Pallas kernels tile any query length alike."""
+    build, else `xla`. `cpu` is a native C++ kernel (compiled on first use); the model then
+    runs its dense layers natively too (layers/dense.py). `pallas_interpret` runs the TPU
+    kernel's program in Pallas interpret mode (any platform, for tests). `decode_rows`: the
+    `xla` backend's decode path takes requests of up to this many query rows (1 + the
+    speculative tokens, so a verifying decode shares its pages across its rows); the other
+    kernels tile any query length alike."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     platform = platform or jax.default_backend()
@@ -136,8 +134,10 @@ def get_attention_backend(name: str, platform: str | None = None, mesh: Mesh | N
     if name == "cpu" and not cpu_native.available():
         raise ValueError("attention_backend 'cpu' needs its native kernels, which did not build "
                          "here (a C++ compiler is required; see the log); use 'xla'")
-    if name in ("xla", "cpu"):
-        return AttentionBackend(name, _xla_kernel(decode_rows, name == "cpu"), mesh)
+    if name == "cpu":
+        return AttentionBackend(name, cpu_paged_attention.ragged_paged_attention, mesh)
+    if name == "xla":
+        return AttentionBackend(name, _xla_kernel(decode_rows), mesh)
     if name == "pallas" and platform not in ("tpu", "gpu", "cuda", "rocm"):
         raise ValueError(f"attention_backend 'pallas' needs a TPU or GPU, this is {platform!r}; "
                          "use 'pallas_interpret' or 'xla'")

@@ -1,5 +1,5 @@
 """Building the native CPU kernels, and the backend choice when they cannot be built. Their
-numerics are checked elsewhere: the decode attention with the other kernels
+numerics are checked elsewhere: the paged attention with the other kernels
 (test_xla_attention.py against the oracle, test_ragged_paged_attention.py against the `xla`
 backend, bf16 caches and poisoned KV included), the matmul in test_cpu_matmul.py, and both in
 every CPU engine test, whose default backend they are."""

@@ -1,5 +1,5 @@
 """Interpret-mode numerics of the TPU and GPU ragged paged-attention kernels, and the `cpu`
-backend's native decode kernel, against the `xla` backend (pallas_kernels/xla_attention.py,
+backend's native kernel, against the `xla` backend (pallas_kernels/xla_attention.py,
 itself checked against the plain oracle).
 
 Every (kernel, config) pair compiles once: shapes are fixed per config and hypothesis varies only
@@ -27,6 +27,7 @@ from pallas_kernels import (
     ragged_paged_attention_tpu,
     ragged_paged_attention_xla,
 )
+from pallas_kernels.cpu_paged_attention import ragged_paged_attention as ragged_paged_attention_cpu
 
 NUM_TOKENS = 40  # padded T: real rows first, then rows that belong to no request
 MAX_SEQS = 6  # padded R
@@ -41,9 +42,7 @@ TOLERANCE = {"float32": (1e-5, 0.0), "bfloat16": (1.6e-2, 1e-2)}  # (atol, rtol)
 KERNELS: dict[str, Callable[..., jax.Array]] = {
     "tpu": functools.partial(ragged_paged_attention_tpu, interpret=True),
     "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
-    # the `cpu` backend: the reference with its decodes (requests of up to 5 rows: a decode
-    # verifying 4 drafts) in the native kernel
-    "cpu": functools.partial(ragged_paged_attention_xla, native_decodes=True, decode_rows=5)}
+    "cpu": ragged_paged_attention_cpu}  # the `cpu` backend's native kernel
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The `xla` backend (pallas_kernels/xla_attention.py) against the plain oracle
-(pallas_kernels/oracle.py)."""
+"""The `xla` backend (pallas_kernels/xla_attention.py) and the `cpu` backend's native kernel
+(pallas_kernels/cpu_paged_attention.py) against the plain oracle (pallas_kernels/oracle.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import oracle
+from pallas_kernels import cpu_native, oracle
+from pallas_kernels.cpu_paged_attention import ragged_paged_attention as native_attention
 from pallas_kernels.xla_attention import ragged_paged_attention, write_kv
 
 L, HKV, NB, BS, D, HQ = 2, 2, 96, 8, 16, 4
@@ -60,13 +61,13 @@ def test_requests_of_up_to_decode_rows_rows_attend_as_decodes(decode_rows, windo
                                  decode_rows=decode_rows)
 
 
-@pytest.mark.parametrize("decode_rows", [1, 5])
+@pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernels did not build")
 @pytest.mark.parametrize("window,cap", [(None, None), (6, None), (None, 5.0)])
-def test_native_cpu_decodes_match_the_oracle(decode_rows, window, cap):
-    """The `cpu` backend: decodes (and decodes with up to decode_rows - 1 drafts) in the native
-    kernel, the other requests in the tiles, padding rows zero."""
+def test_native_cpu_kernel_matches_the_oracle(window, cap):
+    """The `cpu` backend: every request in the native kernel (decodes, decodes with drafts,
+    prefill chunks, a 60-row prefill in two tiles of rows), padding rows zero."""
     for case in CASES:
-        check_against_oracle(case, window, cap, 8, decode_rows=decode_rows, native_decodes=True)
+        check_against_oracle(case, window, cap, 8, native=True)
 
 
 def test_as_many_requests_as_rows_with_multi_row_requests():
@@ -76,7 +77,7 @@ def test_as_many_requests_as_rows_with_multi_row_requests():
 
 
 def check_against_oracle(case, window, cap, items_per_iter, decode_chunk_bytes=1 << 20,
-                         pad_requests=2, pad_rows=5, decode_rows=1, native_decodes=False):
+                         pad_requests=2, pad_rows=5, decode_rows=1, native=False):
     q_lens, kv_lens = CASES[case]
     rng = np.random.default_rng(0)
     k_cache = rng.standard_normal((L, HKV, NB, BS, D)).astype(np.float32)
@@ -90,13 +91,16 @@ def check_against_oracle(case, window, cap, items_per_iter, decode_chunk_bytes=1
     q = rng.standard_normal((T, HQ, D)).astype(np.float32)
     qsl = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * pad_requests]).astype(np.int32)
     seq_lens = np.array(kv_lens + [0] * pad_requests, np.int32)
-    out = ragged_paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache),
-                                 1, jnp.asarray(seq_lens), jnp.asarray(tables),
-                                 jnp.asarray(qsl), sm_scale=D ** -0.5, sliding_window=window,
-                                 soft_cap=cap, kv_chunk_tokens=16,
-                                 items_per_iter=items_per_iter,
-                                 decode_chunk_bytes=decode_chunk_bytes, decode_rows=decode_rows,
-                                 native_decodes=native_decodes)
+    args = (jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), 1,
+            jnp.asarray(seq_lens), jnp.asarray(tables), jnp.asarray(qsl))
+    kwargs = dict(sm_scale=D ** -0.5, sliding_window=window, soft_cap=cap)
+    if native:
+        out = native_attention(*args, **kwargs)
+    else:
+        out = ragged_paged_attention(*args, **kwargs, kv_chunk_tokens=16,
+                                     items_per_iter=items_per_iter,
+                                     decode_chunk_bytes=decode_chunk_bytes,
+                                     decode_rows=decode_rows)
     out = np.asarray(out)
     ref = oracle.ragged_paged_attention(q, k_cache, v_cache, 1, seq_lens, tables, qsl,
                                         sm_scale=D ** -0.5, sliding_window=window, soft_cap=cap)

@@ -20,7 +20,7 @@ def gqa8(hf_checkpoint):
     return path, prompts, hf_greedy(path, prompts, 12)
 
 
-# TP 8 spans every device (with CPU's default backend, its native decodes per device), DP 2
+# TP 8 spans every device (with CPU's default backend, its native attention per device), DP 2
 # runs the native CPU matmul on two devices (weights packed on each), and TP 2 x
 # DP 2 runs the Pallas kernels per device; the other meshes run with `pytest -m full`.
 @pytest.mark.parametrize("tp,dp,backend", [

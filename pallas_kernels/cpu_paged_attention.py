@@ -1,6 +1,6 @@
-"""The decode rows' paged attention on CPU as a native kernel (cpu_decode_attention.cc), called
-through the XLA FFI. XLA:CPU runs the decode path's small batched dots at a few GB/s of KV; the
-kernel reads each (request, KV head)'s pages once from the paged cache, for all of its rows.
+"""Ragged paged attention on CPU as a native kernel (cpu_paged_attention.cc), called through
+the XLA FFI: every request's rows (decodes, drafts, prefill chunks), each (request, KV head)'s
+pages read once from the paged cache for a tile of its rows. The `cpu` attention backend.
 
 It is built with the other native CPU kernels (cpu_native.py)."""
 
@@ -13,7 +13,7 @@ import numpy as np
 from pallas_kernels.cpu_native import available
 
 
-def attend_decodes(
+def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [L, Hkv, NB, BS, D]  f32 or bf16
     v_cache: jax.Array,  # [L, Hkv, NB, BS, D]
@@ -22,17 +22,16 @@ def attend_decodes(
     block_tables: jax.Array,  # i32[R, P]
     query_start_loc: jax.Array,  # i32[R + 1]
     *,
-    max_rows: int,  # requests of 1..max_rows query rows are decodes
     sm_scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> jax.Array:  # [T, Hq, D]  the decodes' rows; zeros elsewhere
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [T, Hq, D]  padding rows zero
     if not available():
         raise RuntimeError("the native CPU kernels did not build here (see the log)")
-    call = jax.ffi.ffi_call("jaxserve_cpu_decode_attention",
+    call = jax.ffi.ffi_call("jaxserve_cpu_paged_attention",
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32),
                seq_lens, block_tables, query_start_loc,
                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
-               window=np.int64(sliding_window or 0), max_rows=np.int64(max_rows))
+               window=np.int64(sliding_window or 0))
     return out.astype(q.dtype)

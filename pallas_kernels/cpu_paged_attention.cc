@@ -1,13 +1,15 @@
-// Paged attention of decode rows on CPU, as an XLA FFI handler (see cpu_decode_attention.py).
+// Ragged paged attention on CPU, as an XLA FFI handler (see cpu_paged_attention.py).
 //
-// XLA:CPU runs the small batched dots of a decode at ~1 GB/s of KV; this reads each
-// (request, KV head)'s pages straight from the paged cache, for all of its query rows (the G
-// query heads of the group times up to max_rows rows of a verifying decode): first every key
-// page for the rows' scores, then one softmax per row over all of them, then every value page.
-// With a head dim of 8 a vector along it would hold two keys' dims, so scores are taken the other
-// way: 16 keys transposed once into lanes serve every row (KeyChunkScores8).
-// Same semantics as xla_attention._attend_decodes: requests of 1..max_rows query rows, each
-// row masked to its own causal end (and window); other rows of the output are zero.
+// Each (request, KV head)'s pages are read straight from the paged cache, for a tile of its
+// query rows (the G query heads of the group times up to kTileRows rows: a decode, a decode
+// verifying its drafts, a slice of a prefill chunk): first every key page for the rows'
+// scores, then one softmax per row over all of them, then every value page. XLA:CPU ran a
+// decode's small batched dots at ~1 GB/s of KV, and xla_attention's query tiles of a prefill
+// took 2.9-3.7x as long as this (stories260K's and dummy-30m's shapes, 182-500 rows). With a head
+// dim of 8 a vector along it would hold two keys' dims, so scores are taken the other way: 16
+// keys transposed once into lanes serve every row (KeyChunkScores8).
+// Same semantics as xla_attention.ragged_paged_attention: each row masked to its own causal end
+// (and window); padding rows of the output are zero.
 
 #include <algorithm>
 #include <cmath>
@@ -43,7 +45,7 @@ struct Shape {
 
 struct Params {
   float sm_scale, soft_cap;  // soft_cap 0: none
-  int64_t window, max_rows;  // window 0: none
+  int64_t window;  // 0: none
   int32_t layer;
 };
 
@@ -267,19 +269,31 @@ void AccumulateRows(int64_t rows, float* acc, const float* weights, int64_t stri
   }
 }
 
-// One (request, KV head): rows n = q_len * G, row i = (query row i / G, head h * G + i % G).
+// Query rows [row0, row1) of request r, whose q_len rows start at row `start` of q: a work item
+// with each of its KV heads.
+struct Tile {
+  int64_t r, start, q_len, row0, row1;
+};
+
+// A tile's query rows: at most kTileRows, and few enough that its scores (rows x G x the
+// request's KV) stay within kTileScoreFloats, the working buffer of each thread.
+constexpr int64_t kTileRows = 32;
+constexpr int64_t kTileScoreFloats = int64_t{1} << 20;
+
+// One (tile, KV head): rows n = (row1 - row0) * G, row i = (query row row0 + i / G of the
+// request, head h * G + i % G).
 // kD > 0: the head dim fixed at compile time, so the loops over it unroll (and run as vectors,
 // see ScoreRows); 0: any head dim.
 template <typename KV, int kD>
 void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cache,
                 const KV* v_cache, const int32_t* seq_lens, const int32_t* block_tables,
-                const int32_t* query_start_loc, int64_t r, int64_t h, float* out) {
+                const Tile& tile, int64_t h, float* out) {
   using jaxserve::kLanes;
   using jaxserve::Vec;
   const int64_t D = kD > 0 ? kD : s.D, BS = s.BS, G = s.G;
-  const int64_t q_start = query_start_loc[r];
-  const int64_t q_len = query_start_loc[r + 1] - q_start;
-  const int64_t n = q_len * G;
+  const int64_t r = tile.r, q_len = tile.q_len;
+  const int64_t q_start = tile.start + tile.row0;  // the tile's first row in q
+  const int64_t n = (tile.row1 - tile.row0) * G;
   // Per thread, reused by its items: a decode's work is too small to pay for allocations.
   thread_local std::vector<float> qv, acc, sums, scores, k_buf, v_buf;
   thread_local std::vector<int64_t> hi, lo;
@@ -292,7 +306,8 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
     const int64_t row = i / G;
     const float* src = q + ((q_start + row) * s.Hq + h * G + i % G) * D;
     for (int64_t d = 0; d < D; ++d) qv[i * D + d] = src[d] * p.sm_scale;
-    hi[i] = seq_lens[r] - q_len + 1 + row;  // the KV this row sees ends here (exclusive)
+    // The KV this row sees ends here (exclusive): the request's rows are its last q_len.
+    hi[i] = seq_lens[r] - q_len + 1 + tile.row0 + row;
     lo[i] = p.window > 0 ? std::max<int64_t>(hi[i] - p.window, 0) : 0;
   }
   const int64_t first_page = *std::min_element(lo.begin(), lo.end()) / BS;
@@ -391,7 +406,8 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   }
   for (int64_t i = 0; i < n; ++i) {
     float* dst = out + ((q_start + i / G) * s.Hq + h * G + i % G) * D;
-    // A row that sees nothing (a padding decode) has no scores: sum 0, output 0.
+    // A row that sees nothing (its KV ends before its window starts, bad metadata) has no
+    // scores: sum 0, output 0.
     const float inv = sums[i] > 0.f ? 1.f / sums[i] : 0.f;
     for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv;
   }
@@ -402,19 +418,24 @@ void Attend(const Shape& s, const Params& p, const float* q, const void* k_cache
             const void* v_cache, const int32_t* seq_lens, const int32_t* block_tables,
             const int32_t* query_start_loc, float* out, ffi::ThreadPool& pool) {
   std::memset(out, 0, sizeof(float) * s.T * s.Hq * s.D);
-  std::vector<int64_t> decodes;
+  std::vector<Tile> tiles;
   // One thread's time: the larger of the pages' reads (about 8 bytes a ns) and the dot
-  // products (about 16 flops a ns), summed over the decodes.
+  // products (about 16 flops a ns), summed over the tiles.
   double nanos = 0;
   for (int64_t r = 0; r < s.R; ++r) {
-    const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
-    if (q_len >= 1 && q_len <= p.max_rows) {
-      decodes.push_back(r);
-      const double kv_values = 2.0 * seq_lens[r] * s.Hkv * s.D;
-      nanos += std::max(kv_values * sizeof(KV) / 8, kv_values * 2 * q_len * s.G / 16);
+    // Rows outside q (bad metadata) are not attended: the output stays within its buffer.
+    const int64_t start = std::clamp<int64_t>(query_start_loc[r], 0, s.T);
+    const int64_t q_len = std::clamp<int64_t>(query_start_loc[r + 1], start, s.T) - start;
+    const int64_t kv_len = std::max<int64_t>(seq_lens[r], 1);
+    const int64_t rows = std::clamp<int64_t>(kTileScoreFloats / (s.G * kv_len), 1, kTileRows);
+    const double kv_values = 2.0 * kv_len * s.Hkv * s.D;
+    for (int64_t row0 = 0; row0 < q_len; row0 += rows) {
+      const int64_t row1 = std::min(q_len, row0 + rows);
+      tiles.push_back({r, start, q_len, row0, row1});
+      nanos += std::max(kv_values * sizeof(KV) / 8, kv_values * 2 * (row1 - row0) * s.G / 16);
     }
   }
-  const int64_t count = static_cast<int64_t>(decodes.size()) * s.Hkv;
+  const int64_t count = static_cast<int64_t>(tiles.size()) * s.Hkv;
   if (count == 0) return;
   const auto* k = static_cast<const KV*>(k_cache);
   const auto* v = static_cast<const KV*>(v_cache);
@@ -422,27 +443,26 @@ void Attend(const Shape& s, const Params& p, const float* q, const void* k_cache
                      : s.D == 32 ? AttendItem<KV, 32> : s.D == 64 ? AttendItem<KV, 64>
                      : s.D == 128 ? AttendItem<KV, 128> : AttendItem<KV, 0>;
   jaxserve::ParallelFor(pool, count, nanos, [&](int64_t item) {
-    item_fn(s, p, q, k, v, seq_lens, block_tables, query_start_loc, decodes[item / s.Hkv],
-            item % s.Hkv, out);
+    item_fn(s, p, q, k, v, seq_lens, block_tables, tiles[item / s.Hkv], item % s.Hkv, out);
   });
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
-                           ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
-                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
-                           ffi::Buffer<ffi::S32> query_start_loc,
-                           ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
-                           int64_t window, int64_t max_rows) {
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                          ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
+                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
+                          ffi::Buffer<ffi::S32> query_start_loc,
+                          ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
+                          int64_t window) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || k_cache.element_type() != v_cache.element_type()) {
     return ffi::Error::InvalidArgument(
-        "decode attention: q [T, Hq, D], caches [L, Hkv, NB, BS, D]");
+        "paged attention: q [T, Hq, D], caches [L, Hkv, NB, BS, D]");
   }
   const auto td = block_tables.dimensions();
   Shape s{qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], td[0], td[1], qd[1] / kd[1]};
   const int32_t layer_index = std::clamp<int32_t>(layer.typed_data()[0], 0, kd[0] - 1);
-  Params p{sm_scale, soft_cap, window, max_rows, layer_index};
+  Params p{sm_scale, soft_cap, window, layer_index};
   const auto* lens = seq_lens.typed_data();
   const auto* tables = block_tables.typed_data();
   const auto* starts = query_start_loc.typed_data();
@@ -456,13 +476,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
                        lens, tables, starts, out->typed_data(), pool);
       return ffi::Error::Success();
     default:
-      return ffi::Error::InvalidArgument("decode attention: KV cache must be f32 or bf16");
+      return ffi::Error::InvalidArgument("paged attention: KV cache must be f32 or bf16");
   }
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDecodeAttention, DecodeAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q [T, Hq, D]
@@ -475,5 +495,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDecodeAttention, DecodeAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [T, Hq, D]
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("max_rows"));
+                                  .Attr<int64_t>("window"));
