@@ -57,7 +57,8 @@ SIZES = {  # full run / --quick
                max_tokens=24, repeats=1, waves=1, span=8, prefix=8, mixed_prompt=(8, 48),
                story_extra=16, cut=4),
 }
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+# k = 5, n up to 4: vLLM's documented n-gram example
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1,
          "prompt_lookup_max": 4}
 LAYER_SKIP_K = 3
 DRAFT_MODEL_K = 3
