@@ -383,17 +383,19 @@ class Scheduler(RemoteKVScheduling):
     def _append_tokens(self, request: Request, tokens: list[int],
                        logprobs: list[Logprobs] | None,
                        prompt_logprobs: PromptLogprobs | None = None) -> EngineCoreOutput:
-        """Append tokens one by one, as if each came from its own step: the first that stops
-        the request is its last."""
+        """Append tokens as if each came from its own step: the first that stops the request
+        is its last (one append of the kept tokens: their block hashes in one pass)."""
         status = None
+        num_outputs = request.num_output_tokens
         for num_kept, token in enumerate(tokens, 1):
-            request.append_output_token_ids(token)
-            status = stop_status(request, token, self.max_model_len, self.eos_token_ids)
+            status = stop_status(request, token, num_outputs + num_kept, self.max_model_len,
+                                 self.eos_token_ids)
             if request.structured_output is not None and status is None:
                 with self.timings.phase("mask"):
                     status = grammar_status(request, token)
             if status is not None:
                 break
+        request.append_output_token_ids(tokens[:num_kept])
         out = EngineCoreOutput(request.request_id, tokens[:num_kept],
                                logprobs[:num_kept] if logprobs is not None else [],
                                prompt_logprobs=prompt_logprobs,

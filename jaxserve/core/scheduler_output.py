@@ -100,8 +100,14 @@ class SpecDecodingStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
-        self.add(SpecDecodingStats(1, num_drafted, num_accepted,
-                                   [1] * num_accepted + [0] * (num_drafted - num_accepted)))
+        """One request-step's verification, counted in place (every drafting step's)."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos += [0] * (num_drafted - len(per_pos))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
 
     def add(self, other: SpecDecodingStats) -> None:
         self.num_drafts += other.num_drafts

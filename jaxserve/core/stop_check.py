@@ -10,13 +10,15 @@ from collections.abc import Set
 from jaxserve.core.request import Request, RequestStatus
 
 
-def stop_status(request: Request, token: int, max_model_len: int,
+def stop_status(request: Request, token: int, num_output_tokens: int, max_model_len: int,
                 eos_token_ids: Set[int]) -> RequestStatus | None:
-    """The finished status `token` (already appended) gives `request`; None: it goes on."""
+    """The finished status `token`, the request's output token number `num_output_tokens`
+    (counted from 1), gives `request`; None: it goes on."""
     params = request.sampling_params
-    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+    if (request.num_prompt_tokens + num_output_tokens >= max_model_len
+            or num_output_tokens >= request.max_tokens):
         return RequestStatus.FINISHED_LENGTH_CAPPED
-    if request.num_output_tokens < params.min_tokens:
+    if num_output_tokens < params.min_tokens:
         return None
     if token in eos_token_ids and not params.ignore_eos:
         return RequestStatus.FINISHED_STOPPED
