@@ -54,7 +54,7 @@ HELP = {
                           "\"model\": \"PATH\", \"num_speculative_tokens\": 3} "
                           "(default: off)",
     "attention_backend": "attention implementation: auto (pallas on TPU/GPU; on CPU, cpu "
-                         "where its native kernels build, else xla), xla, cpu (native decode "
+                         "where its native kernels build, else xla), xla, cpu (native paged "
                          "attention and, for float32 on one device, dense layers), pallas, "
                          "or pallas_interpret",
     "scan_layers": "run the layers as one lax.scan (default: on TPU/GPU, not on CPU)",
