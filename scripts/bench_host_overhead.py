@@ -38,7 +38,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(TINY))
-        blocks_per_req = -(-(args.prompt_len + args.steps + 2) // 16)
+        # A prompt, the tokens the first requests decode while the last are admitted (the
+        # step budget is shared with the decodes: ~50 steps to admit 1024), and the timed steps
+        blocks_per_req = -(-(args.prompt_len + 64 + args.steps + 2) // 16)
         engines = {mode: make_engine(
             tmp, load_format="dummy", max_model_len=256, block_size=16,
             num_kv_blocks=largest * blocks_per_req + 64, max_num_seqs=largest,
@@ -61,7 +63,7 @@ def main() -> None:
 
     body = ("Decode steps only (every request past its prefill), "
             f"{args.steps} steps each; ms per step. Tiny model: stories260K's shape (dim 64, "
-            "5 layers, vocab 512), random weights, xla attention backend.\n\n"
+            "5 layers, vocab 512), random weights, the default attention backend (`cpu` here).\n\n"
             + markdown_table(["running", "step", "schedule", "input prep", "dispatch",
                               "update", "output proc.", "host total", "host share",
                               "wait (device)", "device only (replay)", "step, async"], rows)
