@@ -395,8 +395,9 @@ class Scheduler(RemoteKVScheduling):
                     status = grammar_status(request, token)
             if status is not None:
                 break
-        request.append_output_token_ids(tokens[:num_kept])
-        out = EngineCoreOutput(request.request_id, tokens[:num_kept],
+        kept = tokens[:num_kept]
+        request.append_output_token_ids(kept)
+        out = EngineCoreOutput(request.request_id, kept,
                                logprobs[:num_kept] if logprobs is not None else [],
                                prompt_logprobs=prompt_logprobs,
                                num_cached_tokens=max(request.num_cached_tokens, 0))
