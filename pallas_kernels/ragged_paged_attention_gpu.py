@@ -19,6 +19,10 @@ from jax.experimental.pallas import triton as plgpu_triton
 from pallas_kernels.ragged_schedule import TileSchedule
 from pallas_kernels.tiling import (check_attention_args, default_gpu_tiles, next_pow2,
                                     validate_gpu_tiling)
+from pallas_kernels.traffic import (KernelTraffic, RaggedBatch, name_params, tile_walk_traffic,
+                                    tiled_name)
+
+KERNEL = "ragged_paged_attention_gpu"
 
 _MASK_VALUE = -1e30  # as the xla backend: finite, so a row that sees nothing gives 0, not NaN
 _NT_DIMS = (((1,), (1,)), ((), ()))  # q @ k.T
@@ -151,7 +155,7 @@ def ragged_paged_attention(
         out_shape=jax.ShapeDtypeStruct((Hkv, Tp * Gp, D), q.dtype),
         compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="ragged_paged_attention_gpu",
+        name=tiled_name(KERNEL, g=Gp, q=queries, p=pages, w=sliding_window or 0),
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
         seq_lens.astype(jnp.int32),
@@ -163,3 +167,18 @@ def ragged_paged_attention(
     )
     out = out.reshape(Hkv, Tp, Gp, D)[:, :T, :G].transpose(1, 0, 2, 3)
     return out.reshape(T, Hq, D)
+
+
+def hbm_traffic(name: str, operands: list[tuple[tuple[int, ...], int]],
+                batch: RaggedBatch) -> KernelTraffic:
+    """`operands`: (dims, itemsize) of the call's operands as in the HLO: layer, seq_lens,
+    block table, query_start_loc, q [Hkv, Tp*Gp, D], k and v caches [L*Hkv*NB, BS, D]. A page
+    a request does not need reads the null block, which stays in L2: not counted."""
+    tiles = name_params(name, KERNEL)
+    (hkv, rows_total, head_dim), _ = operands[4]
+    cache_dims, kv_itemsize = operands[5]
+    return tile_walk_traffic(batch, (5, 6), num_kv_heads=hkv, group=tiles["g"],
+                             num_tokens_padded=rows_total // tiles["g"],
+                             queries_per_block=tiles["q"], pages_per_block=tiles["p"],
+                             page_size=cache_dims[1], head_dim=head_dim,
+                             kv_itemsize=kv_itemsize, sliding_window=tiles["w"] or None)

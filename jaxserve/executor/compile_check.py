@@ -271,7 +271,7 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
     backend = get_attention_backend(config.runner.attention_backend, target.platform, mesh,
                                     decode_rows=1 + num_speculative_tokens(config))
     if kv_write == "scatter":
-        backend = dataclasses.replace(backend, writer=scatter_write)
+        backend = dataclasses.replace(backend, writer=scatter_write, fused=None)
     scan = config.runner.scans_layers(target.platform)
     draft_cfg = device_draft_config(config, cfg, max_model_len)
     cfgs = [cfg] + ([] if draft_cfg is None else [draft_cfg])

@@ -175,9 +175,9 @@ class Llama(nnx.Module):
             k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
         q = apply_rotary(q, angles)
         k = apply_rotary(k, angles)
-        k_cache, v_cache = backend.write(k_cache, v_cache, index, k, v, md)
-        o = backend.attend(q, k_cache, v_cache, index, md, sm_scale=cfg.head_dim ** -0.5,
-                           sliding_window=cfg.sliding_window)
+        o, k_cache, v_cache = backend.write_and_attend(
+            q, k, v, k_cache, v_cache, index, md, sm_scale=cfg.head_dim ** -0.5,
+            sliding_window=cfg.sliding_window)
         x = x + linear(o.reshape(T, -1), "wo")
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         gate, up = linears(h, "w_gate_up")
