@@ -96,7 +96,8 @@ def _kernel(
     def reads(r: jax.Array, b: jax.Array, slot: jax.Array) -> list[tuple[jax.Array, object]]:
         """(needed, copy) for block b of request r: whole pages, but the last one tile by
         tile up to the last token."""
-        lo, hi = sched.token_range(r)  # with the write, the new rows' whole tiles too
+        # The new rows' whole tiles lie inside: a window spans at least a tile (_call checks).
+        lo, hi = sched.token_range(r)
         last = (hi - 1) // page_size
         out = []
         for kv, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):

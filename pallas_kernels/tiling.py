@@ -125,14 +125,19 @@ def validate_tpu_tiling(*, num_q_heads: int, num_kv_heads: int, head_dim: int, b
                          "max_num_batched_tokens")
 
 
-def default_gpu_tiles(*, group: int, block_size: int, num_tokens: int) -> tuple[int, int]:
+def default_gpu_tiles(*, group: int, block_size: int, num_tokens: int,
+                      num_reqs: int | None = None) -> tuple[int, int]:
     """(num_kv_pages_per_block, num_queries_per_block) for the Triton kernel: 64 KV tokens per
-    step, and query tiles of 128 rows (tokens x padded group, at least 16), fewer when the whole
-    batch is smaller: a program reads a prefill chunk's visible KV once per tile, so larger tiles
-    read a long prefix fewer times."""
+    step, and query tiles whose rows (tokens x padded group) are a power of two >= 16, fewer
+    when the whole batch is smaller. A step with room for more tokens than requests
+    (`num_reqs`, a prefill's bucket) takes 256 rows: a program reads a chunk's visible KV once
+    per tile, so larger tiles read a long prefix fewer times. A decode's bucket takes 64: a
+    tile computes all its rows against each of its requests' KV blocks, and a decode has one
+    token's (on H200 256-row tiles made a 128-decode step compute-bound on masked rows)."""
     pages = max(1, 64 // block_size)
     min_queries = max(1, GPU_MIN_DOT_DIM // next_pow2(group))
-    queries = max(min_queries, min(next_pow2(num_tokens), 256 // next_pow2(group)))
+    rows = 256 if num_reqs is not None and num_tokens > num_reqs else 64
+    queries = max(min_queries, min(next_pow2(num_tokens), rows // next_pow2(group)))
     return pages, queries
 
 

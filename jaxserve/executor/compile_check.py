@@ -208,7 +208,10 @@ def compile_bucket(program: StepProgram, num_tokens: int, num_reqs: int,
     if isinstance(cost, dict) and "bytes accessed" in cost:
         report.bytes_accessed = float(cost["bytes accessed"])
     if context is not None and not device_drafts:
-        report.costs = scenario_costs(hlo, num_tokens, num_reqs, context)
+        try:
+            report.costs = scenario_costs(hlo, num_tokens, num_reqs, context)
+        except ValueError as e:  # e.g. a loop whose trip count the program does not show
+            report.cost_error = f"cost model: {e}"
     return report
 
 

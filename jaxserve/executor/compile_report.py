@@ -54,6 +54,7 @@ class BucketReport:
     weight_copies: int | None = None
     bytes_accessed: float | None = None  # XLA's count: loop bodies once, kernels left out
     costs: list[ScenarioCost] = field(default_factory=list)  # plain programs only
+    cost_error: str | None = None  # the cost model could not read the program
 
 
 @dataclass
@@ -90,6 +91,8 @@ class CompileReport:
             if not b.compiled:
                 out.append(f"{where}: {b.error}")
                 continue
+            if b.cost_error:
+                out.append(f"{where}: {b.cost_error}")
             if b.cache_copies:
                 out.append(f"{where}: {b.cache_copies} copies of the KV cache")
             if b.weight_copies:

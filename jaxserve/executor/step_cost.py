@@ -11,9 +11,7 @@ op in the compiler's schedule.
 - An op takes max(bytes / HBM bandwidth, flops / peak); a collective sends its ring's bytes over
   the device's links, and an asynchronous one is hidden by the ops scheduled before its done.
 
-The floor is what the step must do whatever the program: read the weights (the embedding's
-gathered rows only) and each request's visible KV once, write the new KV and the logits, at the
-larger of bandwidth and compute time. Bytes are per device.
+Bytes are per device. step_floor.py says what no program can beat.
 """
 
 from __future__ import annotations

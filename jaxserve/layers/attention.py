@@ -182,7 +182,7 @@ def validate_backend(backend: AttentionBackend, *, platform: str, num_q_heads: i
                                num_tokens=max_num_tokens, q_dtype=dtype, kv_dtype=dtype)
     else:
         pages, queries = pk.default_gpu_tiles(group=group, block_size=block_size,
-                                              num_tokens=max_num_tokens)
+                                              num_tokens=max_num_tokens, num_reqs=max_num_seqs)
         pk.validate_gpu_tiling(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                head_dim=head_dim, block_size=block_size,
                                num_kv_pages_per_block=pages, num_queries_per_block=queries)

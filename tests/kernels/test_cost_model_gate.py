@@ -6,7 +6,7 @@
 - a model that counts the loop body once, as XLA's own figure does, lands under the step's
   floor, and the gate refuses it;
 - a prefill kernel with tiny query tiles, which reads a chunk's KV prefix again for every tile,
-  fails the gate, where the default tiles pass it."""
+  fails the gate, where the default tiles pass it; the TPU kernel reads a chunk's prefix once."""
 
 from __future__ import annotations
 
@@ -17,10 +17,14 @@ from pathlib import Path
 import pytest
 
 from jaxserve.executor import hlo_text
+from jaxserve.executor.hlo_text import ITEMSIZE
 from jaxserve.executor.compile_report import BucketReport, CompileReport, ScenarioCost
 from jaxserve.executor.step_cost import step_cost, trip_count
 from jaxserve.executor.step_floor import bucket_scenarios
 from jaxserve.executor.targets import CHIPS
+from pallas_kernels.ragged_paged_attention_tpu import KERNEL as TPU_ATTENTION
+from pallas_kernels.ragged_paged_attention_tpu import hbm_traffic as tpu_attention_traffic
+from pallas_kernels.traffic import RaggedBatch
 from target_compilers import target_compiler_env
 from xla_reading import xla_reading
 
@@ -106,3 +110,23 @@ def test_a_tiny_tile_prefill_kernel_fails_the_gate_where_the_default_tiles_pass(
     (cost, *_) = report["buckets"][0]["costs"]
     assert cost["kv_read"] > 2.5 * default_read  # the chunk's prefix, once per 16-token tile
     assert any("x its floor" in f for f in report["failures"]), report["failures"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", [0, 6144])
+def test_a_prefill_chunk_reads_its_prefix_once_in_the_compiled_step(v5e_step, start):
+    """The kernel as the v5e program calls it (its name and operands in the compiled HLO), on
+    the largest bucket's chunk alone: KV read at most 1.1x the chunk's prefix and itself."""
+    hlo_dir, _, _ = v5e_step
+    module = hlo_text.parse((hlo_dir / "T2048_R256_S256.hlo").read_text())
+    body = module.computations[next(i for i in module.entry_computation.instructions
+                                    if i.opcode == "while").called[1]]
+    (call,) = [i for i in body.instructions if i.name.startswith(TPU_ATTENTION)]
+    operands = [(body.by_name[o].array.dims, ITEMSIZE[body.by_name[o].array.dtype])
+                for o in call.operands]
+    chunk = 1793
+    traffic = tpu_attention_traffic(call.name.split(".")[0], operands,
+                                    RaggedBatch((chunk,), (start + chunk,)))
+    (_, kv_heads, _, _, head_dim), itemsize = operands[8]
+    once = 2 * kv_heads * (start + chunk) * head_dim * itemsize  # K and V
+    assert once <= traffic.kv_read <= 1.1 * once
