@@ -93,6 +93,7 @@ def time_buckets(preset: Path, layers: int | None, buckets: str | None, num_kv_b
                 floor = step_floor(cfg, tp, weight_bytes, worker.model.dtype.itemsize,
                                    scenario.batch, padded_vocab_size(cfg.vocab_size, tp), chip)
                 row |= {"modelled_ms": cost.seconds * 1e3, "floor_ms": floor.seconds * 1e3,
+                        "sequential_floor_ms": floor.sequential_seconds * 1e3,
                         "measured_over_modelled": measured / cost.seconds}
             rows.append(row)
             print("  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"

@@ -175,7 +175,7 @@ def scenario_costs(hlo: str, num_tokens: int, num_reqs: int,
             scenario.label, cost.weights, cost.kv_read, cost.kv_write, cost.activations,
             cost.in_kernels, cost.collective_bytes, int(cost.collectives), cost.flops,
             cost.compute_seconds, cost.collective_seconds, floor.hbm_bytes, floor.flops,
-            floor.seconds))
+            floor.seconds, floor.sequential_seconds))
     return out
 
 

@@ -4,6 +4,12 @@ The floor of a step on one device: read the weights once (of the embedding, only
 looks up), read each request's visible KV once, write the new KV and the logits; and run the
 dense layers' and attention's multiply-adds. Its time is the larger of bytes over HBM bandwidth
 and flops over peak: a program can do no better, and `step_cost` says how close it comes.
+
+Its sequential floor is the same work with the dense matmuls and attention taking turns, each
+at its own bound, as a layer's data flow has them do unless the batch is split and its halves
+interleaved: where many long decodes share a step with a prefill, attention is memory-bound
+and the matmuls compute-bound, and no program that runs them one after the other reaches the
+floor.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class StepFloor:
     logits: float
     flops: float
     seconds: float
+    sequential_seconds: float  # dense matmuls, then attention, each at its own bound
 
     @property
     def hbm_bytes(self) -> float:
@@ -90,15 +97,18 @@ def step_floor(cfg: LlamaConfig, tp: int, weight_bytes: int, itemsize: int,
         start += q_len
     tables = embed if cfg.tie_word_embeddings else 2 * embed
     dense = (weight_bytes - tables) // itemsize  # every layer's weights
-    flops = (2 * tokens * dense + 2 * rows * (embed // itemsize)
-             + 2 * 2 * attention_macs * cfg.head_dim * cfg.num_heads // tp * cfg.num_layers)
+    dense_flops = 2 * tokens * dense + 2 * rows * (embed // itemsize)
+    attention_flops = 2 * 2 * attention_macs * cfg.head_dim * cfg.num_heads // tp * cfg.num_layers
+    flops = dense_flops + attention_flops
     # the LM head whole, the embedding's looked-up rows only (a tied one is the head)
     weights = weight_bytes - tables + embed + tokens * cfg.hidden_size * itemsize // tp
     kv_read, kv_write = visible * kv_token, tokens * kv_token
     logits = rows * vocab_size // tp * 4
-    seconds = max((weights + kv_read + kv_write + logits) / chip.hbm_bandwidth,
-                  flops / chip.bf16_flops)
-    return StepFloor(weights, kv_read, kv_write, logits, flops, seconds)
+    bandwidth, peak = chip.hbm_bandwidth, chip.bf16_flops
+    seconds = max((weights + kv_read + kv_write + logits) / bandwidth, flops / peak)
+    sequential = (max((weights + logits) / bandwidth, dense_flops / peak)
+                  + max((kv_read + kv_write) / bandwidth, attention_flops / peak))
+    return StepFloor(weights, kv_read, kv_write, logits, flops, seconds, sequential)
 
 
 def scenario_step(batch: RaggedBatch, num_tokens: int, num_reqs: int, block_size: int,
