@@ -11,7 +11,8 @@ from jaxserve.engine.core import EngineCore, EngineStats
 from jaxserve.engine.input_processor import InputProcessor, PromptType
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.models.tokenizer import Tokenizer, load_hf_tokenizer
+from jaxserve.models.loader import load_tokenizer
+from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -99,17 +100,9 @@ def _no_prompt_logprobs(config: EngineConfig) -> str | None:
 
 
 def _tokenizer(config: EngineConfig, own: Tokenizer | None, model: Any) -> Tokenizer | None:
-    """The checkpoint's tokenizer, or the one `tokenizer=` names (an HF tokenizer directory)."""
+    """The checkpoint's tokenizer, or the one `tokenizer=` names."""
     path = config.model.tokenizer
-    if path is None:
-        return own
-    tokenizer = load_hf_tokenizer(path, model)
-    if tokenizer is None:
-        raise ValueError(f"tokenizer: no tokenizer.json in {path!r}")
-    if tokenizer.vocab_size > model.vocab_size:
-        raise ValueError(f"tokenizer {path!r} has {tokenizer.vocab_size} tokens, more than "
-                         f"the model's vocab_size ({model.vocab_size})")
-    return tokenizer
+    return own if path is None else load_tokenizer(path, model)
 
 
 def make_engine_core(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:

@@ -1,5 +1,6 @@
 """The one entry point for weights: `load_model(path, load_format)` -> config, canonical float32
-params (see `llama_config.param_shapes`) and the tokenizer."""
+params (see `llama_config.param_shapes`) and the tokenizer; and for a tokenizer named on its
+own, `load_tokenizer(path, config)`."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import numpy as np
 
 from jaxserve.config import LOAD_FORMATS
 from jaxserve.models.checkpoint_io import load_converted
+from jaxserve.models.gguf_file import read_gguf
 from jaxserve.models.gguf_loader import load_gguf
+from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
 from jaxserve.models.hf_loader import load_hf, read_hf_config
-from jaxserve.models.llama2c_loader import load_llama2c
+from jaxserve.models.llama2c_loader import llama2c_tokenizer, load_llama2c
 from jaxserve.models.llama_config import LlamaConfig, check_params, param_shapes
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
-from jaxserve.models.tokenizer import load_hf_tokenizer
+from jaxserve.models.tokenizer import Tokenizer, load_hf_tokenizer
 
 _NORMS = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
 
@@ -80,3 +83,26 @@ def load_model(path: str | Path | None, load_format: str = "auto", *,
     loaders = {"hf": load_hf, "gguf": load_gguf, "llama2c": load_llama2c,
                "orbax": load_converted}
     return loaders[fmt](p)
+
+
+def load_tokenizer(path: str | Path, model: LlamaConfig) -> Tokenizer:
+    """`tokenizer=`: an HF tokenizer directory, a GGUF file's embedded tokenizer, or a llama2.c
+    tokenizer file (its pieces counted by the model's vocab_size)."""
+    p = Path(path)
+    if p.is_dir():
+        tokenizer = load_hf_tokenizer(p, model)
+        if tokenizer is None:
+            raise ValueError(f"tokenizer: no tokenizer.json in {str(p)!r}")
+    elif p.suffix == ".gguf":
+        tokenizer = read_gguf_tokenizer(read_gguf(p), p)
+        if tokenizer is None:
+            raise ValueError(f"tokenizer: the GGUF file {str(p)!r} has no tokenizer "
+                             "(no tokenizer.ggml.tokens)")
+    elif p.is_file():
+        tokenizer = llama2c_tokenizer(p, model.vocab_size)
+    else:
+        raise ValueError(f"tokenizer: {str(p)!r} does not exist")
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ValueError(f"tokenizer {str(p)!r} has {tokenizer.vocab_size} tokens, more than "
+                         f"the model's vocab_size ({model.vocab_size})")
+    return tokenizer
