@@ -31,6 +31,12 @@ def refuse_lora(lora_request: object | None) -> None:
                          "this engine serves only its base model")
 
 
+NO_TOKENIZER = ("prompt: this model has no tokenizer (its checkpoint carries none: a GGUF without "
+                "tokenizer.ggml.* metadata, a llama2.c .bin without tok*.bin beside it); pass "
+                "tokenizer= (an HF tokenizer directory, a GGUF or a llama2.c tokenizer file) or "
+                "prompt_token_ids")
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
                  block_size: int, root_hash: bytes, limits: ModelConfig,
@@ -68,7 +74,7 @@ class InputProcessor:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+                raise ValueError(NO_TOKENIZER)
             self.check_prompt_chars(prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
