@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from jaxserve.config import EngineConfig
@@ -14,7 +15,9 @@ from jaxserve.models.loaded_model import LoadedModel
 from jaxserve.models.loader import load_tokenizer
 from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams, sampling_defaults
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -26,13 +29,15 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({self.core.max_model_len}) is more than the "
                              f"model's context (max_position_embeddings = {context})")
         self.tokenizer = _tokenizer(config, self.core.tokenizer, self.core.model_config)
+        self.sampling_defaults = _sampling_defaults(config, self.core.generation_config)
         self.input_processor = InputProcessor(
             self.tokenizer, self.core.model_config.vocab_size, self.core.max_model_len,
             config.cache.block_size, self.core.root_hash, config.model,
             self.core.model_config.eos_token_ids,
             # Its requests cross to the decode side (maybe another process) without a matcher.
             structured_outputs=config.parallel.disaggregation is None,
-            prompt_logprobs=_no_prompt_logprobs(config))
+            prompt_logprobs=_no_prompt_logprobs(config),
+            default_params=SamplingParams(**self.sampling_defaults))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
@@ -97,6 +102,19 @@ def _no_prompt_logprobs(config: EngineConfig) -> str | None:
     if config.parallel.disaggregation is not None:
         return "with disaggregated prefill/decode"
     return None
+
+
+def _sampling_defaults(config: EngineConfig, generation_config: dict[str, Any],
+                       ) -> dict[str, Any]:
+    """vLLM's generation_config: "auto" takes the checkpoint's sampling defaults, "vllm" none."""
+    if config.model.generation_config == "vllm":
+        return {}
+    defaults = sampling_defaults(generation_config)
+    if defaults:
+        logger.info("sampling defaults from the checkpoint's generation config: %s (for "
+                    "requests that do not set them; generation_config='vllm' ignores them)",
+                    defaults)
+    return defaults
 
 
 def _tokenizer(config: EngineConfig, own: Tokenizer | None, model: Any) -> Tokenizer | None:

@@ -43,7 +43,7 @@ from jaxserve.models.checkpoint_io import load_converted, read_converted_config
 from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
-from jaxserve.models.loader import load_model
+from jaxserve.models.loader import load_configured, with_hf_overrides
 from jaxserve.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,19 @@ def restores_sharded(config: EngineConfig) -> bool:
     return tp <= cfg.num_kv_heads and cfg.vocab_size % tp == 0
 
 
+def check_float16(dtype: Any, backend: AttentionBackend, platform: str) -> None:
+    """float16 where the backend computes in it: GPU, and XLA's attention on CPU."""
+    if jnp.dtype(dtype) != jnp.float16:
+        return
+    if platform == "tpu":
+        raise ValueError("dtype 'float16' is not supported on TPU (it has no float16 "
+                         "arithmetic); use dtype='bfloat16' (the same size) or 'float32'")
+    if backend.name == "cpu":
+        raise ValueError("dtype 'float16': the cpu attention backend (attention_backend="
+                         "'auto' on CPU) takes float32 or bfloat16; use dtype='bfloat16' or "
+                         "'float32', or attention_backend='xla' to compute in float16")
+
+
 @dataclass(frozen=True)
 class BuiltWorker:
     """What a worker built, which the engine sizes its scheduler by."""
@@ -76,6 +89,7 @@ class BuiltWorker:
     max_model_len: int
     model_config: LlamaConfig  # as placed (KV heads expanded for TP)
     tokenizer: Tokenizer | None  # the checkpoint's
+    generation_config: dict[str, Any]  # the checkpoint's (LoadedModel.generation_config)
 
 
 class Worker:
@@ -93,7 +107,7 @@ class Worker:
             self.loaded = self._restore_sharded(m.model)  # params already on their devices
             cfg, placed = self.loaded.config, self.loaded.params
         else:
-            self.loaded = loaded or load_model(m.model, m.load_format, seed=m.seed)
+            self.loaded = loaded or load_configured(m)
             cfg, placed = shard_params(self.loaded.config, self.loaded.params, self.mesh,
                                        self.dtype)
         self.model_config = cfg
@@ -101,6 +115,7 @@ class Worker:
         platform = self.mesh.devices.flat[0].platform
         backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh,
                                         decode_rows=1 + num_speculative_tokens(config))
+        check_float16(self.dtype, backend, platform)
         native_matmul = uses_native_matmul(backend.name, self.mesh.size, self.dtype)
         self.model = Llama(cfg, placed, self.dtype,
                            scan_layers=config.runner.scans_layers(platform),
@@ -149,7 +164,7 @@ class Worker:
     @property
     def built(self) -> BuiltWorker:
         return BuiltWorker(self.num_blocks, self.max_model_len, self.model_config,
-                           self.loaded.tokenizer)
+                           self.loaded.tokenizer, self.loaded.generation_config)
 
     @property
     def kv_init(self) -> Any:
@@ -190,11 +205,13 @@ class Worker:
     def _restore_sharded(self, path: str) -> LoadedModel:
         """orbax reads each device's shard straight onto it: no full copy on any device."""
         cfg = read_converted_config(path)
+        if self.config.model.hf_overrides:
+            cfg = cfg.with_hf_overrides(self.config.model.hf_overrides)
         validate_tensor_parallel(cfg, self.mesh.shape[AXIS])
         target = {name: jax.ShapeDtypeStruct(shape, self.dtype,
                                              sharding=param_sharding(self.mesh, name, shape))
                   for name, shape in param_shapes(cfg).items()}
-        return load_converted(path, target)
+        return with_hf_overrides(load_converted(path, target), self.config.model.hf_overrides)
 
     def _num_kv_blocks(self, backend: AttentionBackend) -> int:
         """On TPU/GPU: the memory share left after the weights (in use now) and the largest

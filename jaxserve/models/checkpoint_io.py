@@ -79,7 +79,8 @@ def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:
         _save_tokenizer(loaded.tokenizer, dst / "tokenizer")
     # Written last: its presence marks a complete converted checkpoint.
     (dst / CONVERTED_CONFIG_FILE).write_text(json.dumps(
-        {"format_version": FORMAT_VERSION, "config": config_to_dict(loaded.config)}, indent=1))
+        {"format_version": FORMAT_VERSION, "config": config_to_dict(loaded.config),
+         "generation_config": loaded.generation_config}, indent=1))
     return dst
 
 
@@ -111,4 +112,6 @@ def load_converted(path: str | Path, target: dict[str, Any] | None = None) -> Lo
     check_params(config, params, str(path))
     tok_dir = path / "tokenizer"
     tokenizer = _load_tokenizer(tok_dir, config) if tok_dir.is_dir() else None
-    return LoadedModel(config=config, params=dict(params), tokenizer=tokenizer)
+    generation = read_json(path / CONVERTED_CONFIG_FILE).get("generation_config") or {}
+    return LoadedModel(config=config, params=dict(params), tokenizer=tokenizer,
+                       generation_config=generation)

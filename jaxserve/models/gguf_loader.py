@@ -36,6 +36,9 @@ _GLOBAL_TENSORS = {"embed": "token_embd.weight", "final_norm": "output_norm.weig
 _LINEAR = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
 
 _MISSING = object()
+# general.sampling.* (the sampling a GGUF's maker recommends) -> HF generation_config names
+_SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "penalty_repeat": "repetition_penalty"}
 
 
 def _field(gguf: GGUFFile, key: str, default: Any = _MISSING, *, path: Path) -> Any:
@@ -156,4 +159,7 @@ def load_gguf(path: str | Path) -> LoadedModel:
         raise ValueError(f"{path}: unexpected GGUF tensors {unused[:5]}"
                          f"{' ...' if len(unused) > 5 else ''}")
     check_params(config, params, str(path))
-    return LoadedModel(config=config, params=params, tokenizer=read_gguf_tokenizer(gguf, path))
+    generation = {hf: gguf.get(f"general.sampling.{key}") for key, hf in _SAMPLING_KEYS.items()
+                  if gguf.get(f"general.sampling.{key}") is not None}
+    return LoadedModel(config=config, params=params, tokenizer=read_gguf_tokenizer(gguf, path),
+                       generation_config=generation)

@@ -4,16 +4,17 @@ own, `load_tokenizer(path, config)`."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import LOAD_FORMATS
+from jaxserve.config import LOAD_FORMATS, ModelConfig
 from jaxserve.models.checkpoint_io import load_converted
 from jaxserve.models.gguf_file import read_gguf
 from jaxserve.models.gguf_loader import load_gguf
 from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
-from jaxserve.models.hf_loader import load_hf, read_hf_config
+from jaxserve.models.hf_loader import load_hf, read_generation_config, read_hf_config
 from jaxserve.models.llama2c_loader import llama2c_tokenizer, load_llama2c
 from jaxserve.models.llama_config import LlamaConfig, check_params, param_shapes
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
@@ -51,7 +52,7 @@ def dummy_params(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def _load_dummy(path: Path | None, config: LlamaConfig | None, seed: int) -> LoadedModel:
-    tokenizer = None
+    tokenizer, generation = None, {}
     if config is None:
         if path is None:
             raise ValueError("load_format 'dummy' needs dummy_config or a path with config.json")
@@ -61,13 +62,35 @@ def _load_dummy(path: Path | None, config: LlamaConfig | None, seed: int) -> Loa
         config = read_hf_config(config_file.parent)
     if path is not None and path.is_dir():
         tokenizer = load_hf_tokenizer(path, config)
+        generation = read_generation_config(path)
     params = dummy_params(config, seed)
     check_params(config, params, "dummy weights")
-    return LoadedModel(config=config, params=params, tokenizer=tokenizer)
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer,
+                       generation_config=generation)
+
+
+def with_hf_overrides(loaded: LoadedModel, overrides: dict | None) -> LoadedModel:
+    """The model with its config changed by vLLM's hf_overrides (its weights must still fit)."""
+    if not overrides:
+        return loaded
+    config = loaded.config.with_hf_overrides(overrides)
+    check_params(config, loaded.params, "hf_overrides")
+    return dataclasses.replace(loaded, config=config)
 
 
 def load_model(path: str | Path | None, load_format: str = "auto", *,
-               dummy_config: LlamaConfig | None = None, seed: int = 0) -> LoadedModel:
+               dummy_config: LlamaConfig | None = None, seed: int = 0,
+               hf_overrides: dict | None = None) -> LoadedModel:
+    return with_hf_overrides(_load(path, load_format, dummy_config, seed), hf_overrides)
+
+
+def load_configured(m: ModelConfig) -> LoadedModel:
+    """The checkpoint an engine's model config names, as it configures it."""
+    return load_model(m.model, m.load_format, seed=m.seed, hf_overrides=m.hf_overrides)
+
+
+def _load(path: str | Path | None, load_format: str, dummy_config: LlamaConfig | None,
+          seed: int) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     p = Path(path) if path not in (None, "") else None
