@@ -50,7 +50,9 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size (block 0 included); else from memory
     gpu_memory_utilization: float = 0.9  # share of accelerator memory for weights + KV
-    cpu_kv_cache_space_gib: float = 0.5  # KV budget on CPU, where no memory stats exist
+    # KV budget on CPU (where devices report no memory); None: a share of the host's available
+    # memory (executor/host_memory.py)
+    cpu_kv_cache_space_gib: float | None = None
     enable_prefix_caching: bool = True
     prefix_caching_hash_seed: int | None = None  # default: the engine seed
 

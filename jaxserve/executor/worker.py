@@ -20,6 +20,7 @@ from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compiled_dir import KV_INIT
 from jaxserve.executor.draft_model import FIELD as DRAFT_FIELD, load_draft, place_draft
+from jaxserve.executor.host_memory import CPU_KV_MEMORY_FRACTION, available_host_bytes
 from jaxserve.executor.huge_pages import collapse_in_background
 from jaxserve.executor.mesh import rank_meshes
 from jaxserve.executor.model_runner import ModelRunner, PendingStep, dtype_of
@@ -215,8 +216,10 @@ class Worker:
 
     def _num_kv_blocks(self, backend: AttentionBackend) -> int:
         """On TPU/GPU: the memory share left after the weights (in use now) and the largest
-        step's temporaries, as the compiler reports them. On CPU: cpu_kv_cache_space_gib. A
-        block's bytes are both caches' with a draft model."""
+        step's temporaries, as the compiler reports them. On CPU: cpu_kv_cache_space_gib, or
+        CPU_KV_MEMORY_FRACTION of the host memory available now (the weights are placed), at
+        most what max_num_seqs sequences of max_model_len hold. A block's bytes are both
+        caches' with a draft model."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
@@ -230,15 +233,18 @@ class Worker:
         per_block = sum(kv_cache_bytes_per_block(cfg, cache.block_size, self.dtype)
                         for cfg in self.model_configs) // tp  # per device: its KV heads
         stats = self.mesh.devices.flat[0].memory_stats() or {}
+        blocks_per_seq = -(-self.max_model_len // cache.block_size)
         if "bytes_limit" in stats:  # one extra compile at start, like vLLM's profile run
             temp = largest_step_temp_bytes(
                 ModelParts.of(self.model), self.config, backend, self.max_model_len,
                 None if self.draft is None else ModelParts.of(self.draft))
             num_blocks = kv_blocks_for(stats["bytes_limit"], cache.gpu_memory_utilization,
                                        stats.get("bytes_in_use", 0), temp, per_block)
-        else:
+        elif cache.cpu_kv_cache_space_gib is not None:
             num_blocks = int(cache.cpu_kv_cache_space_gib * 2**30 // per_block)
-        blocks_per_seq = -(-self.max_model_len // cache.block_size)
+        else:
+            share = int(CPU_KV_MEMORY_FRACTION * available_host_bytes() // per_block)
+            num_blocks = min(share, self.config.scheduler.max_num_seqs * blocks_per_seq + 1)
         if num_blocks < blocks_per_seq + 1:
             raise ValueError(f"KV cache budget holds {num_blocks} blocks of {per_block} bytes, "
                              f"fewer than one max_model_len sequence needs ({blocks_per_seq} + 1); "
