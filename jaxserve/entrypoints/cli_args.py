@@ -41,8 +41,8 @@ HELP = {
     "num_kv_blocks": "KV-cache blocks in the pool, instead of sizing it from device memory",
     "gpu_memory_utilization": "share of accelerator memory for the weights and the KV cache",
     "cpu_kv_cache_space_gib": "GiB of KV cache on CPU (default: 10% of the host memory "
-                              "available at start, at most what max_num_seqs sequences of "
-                              "max_model_len hold)",
+                              "available at start, rounded down to a power of two of blocks, "
+                              "at most what max_num_seqs sequences of max_model_len hold)",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes already computed",
     "prefix_caching_hash_seed": "seed of the block hashes (default: the engine seed)",
     "max_num_seqs": "most requests running in one step",

@@ -3,6 +3,7 @@ cache, builds the model runner."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -104,8 +105,15 @@ class Worker:
         self.mesh = mesh or rank_meshes(config.parallel)[0]
         self.dtype = dtype_of(m.dtype)
         restored = loaded is None and restores_sharded(config)
+        device = self.mesh.devices.flat[0]
+        host_placed = self.mesh.size == 1 and device.process_index == jax.process_index()
         if restored:
             self.loaded = self._restore_sharded(m.model)  # params already on their devices
+            cfg, placed = self.loaded.config, self.loaded.params
+        elif host_placed:
+            # Host arrays: the model slices, packs and places them on this process's one device
+            # itself (under default_device below), with no jax operation to compile at start.
+            self.loaded = loaded or load_configured(m)
             cfg, placed = self.loaded.config, self.loaded.params
         else:
             self.loaded = loaded or load_configured(m)
@@ -118,9 +126,10 @@ class Worker:
                                         decode_rows=1 + num_speculative_tokens(config))
         check_float16(self.dtype, backend, platform)
         native_matmul = uses_native_matmul(backend.name, self.mesh.size, self.dtype)
-        self.model = Llama(cfg, placed, self.dtype,
-                           scan_layers=config.runner.scans_layers(platform),
-                           native_matmul=native_matmul, max_positions=self.max_model_len)
+        with jax.default_device(device) if host_placed else contextlib.nullcontext():
+            self.model = Llama(cfg, placed, self.dtype,
+                               scan_layers=config.runner.scans_layers(platform),
+                               native_matmul=native_matmul, max_positions=self.max_model_len)
         # The model holds the arrays it needs. The loader's stay out of reach: on CPU they would
         # be a second copy of every weight for as long as the engine runs.
         self.loaded = dataclasses.replace(self.loaded, params={})
@@ -192,7 +201,7 @@ class Worker:
             max_model_len=self.max_model_len,
             draft=None if self.draft is None else self.draft.cfg)
 
-    def _load_compiled(self, directory: str) -> dict[Any, Any]:
+    def _load_compiled(self, directory: str) -> compiled_dir.LoadedPrograms | dict[Any, Any]:
         """A directory built for another engine: an error in strict mode, else a warning and
         a normal compile."""
         try:
@@ -217,9 +226,9 @@ class Worker:
     def _num_kv_blocks(self, backend: AttentionBackend) -> int:
         """On TPU/GPU: the memory share left after the weights (in use now) and the largest
         step's temporaries, as the compiler reports them. On CPU: cpu_kv_cache_space_gib, or
-        CPU_KV_MEMORY_FRACTION of the host memory available now (the weights are placed), at
-        most what max_num_seqs sequences of max_model_len hold. A block's bytes are both
-        caches' with a draft model."""
+        CPU_KV_MEMORY_FRACTION of the host memory available now (the weights are placed),
+        rounded down to a power of two of blocks, at most what max_num_seqs sequences of
+        max_model_len hold. A block's bytes are both caches' with a draft model."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
@@ -244,6 +253,9 @@ class Worker:
             num_blocks = int(cache.cpu_kv_cache_space_gib * 2**30 // per_block)
         else:
             share = int(CPU_KV_MEMORY_FRACTION * available_host_bytes() // per_block)
+            # A power of two: the step programs take the pool's shape, and one that moved with
+            # the free memory would miss the persistent compilation cache at every start.
+            share = 1 << (share.bit_length() - 1) if share else 0
             num_blocks = min(share, self.config.scheduler.max_num_seqs * blocks_per_seq + 1)
         if num_blocks < blocks_per_seq + 1:
             raise ValueError(f"KV cache budget holds {num_blocks} blocks of {per_block} bytes, "

@@ -97,7 +97,9 @@ class GGUFFile:
 def read_gguf(path: str | Path) -> GGUFFile:
     path = Path(path)
     try:
-        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        # A plain ndarray over the map: numpy's memmap subclass costs microseconds per view,
+        # and dequantising takes tens of thousands of them.
+        mapped = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
     except (OSError, ValueError) as e:  # unreadable, or empty (mmap of 0 bytes)
         raise ValueError(f"{path}: cannot read GGUF file: {e}") from e
     h = _Header(memoryview(mapped), path)

@@ -12,7 +12,7 @@ import numpy as np
 from jaxserve.config import LOAD_FORMATS, ModelConfig
 from jaxserve.models.checkpoint_io import load_converted
 from jaxserve.models.gguf_file import read_gguf
-from jaxserve.models.gguf_loader import load_gguf
+from jaxserve.models.gguf_loader import load_gguf, read_gguf_config
 from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
 from jaxserve.models.hf_loader import load_hf, read_generation_config, read_hf_config
 from jaxserve.models.llama2c_loader import llama2c_tokenizer, load_llama2c
@@ -106,6 +106,17 @@ def _load(path: str | Path | None, load_format: str, dummy_config: LlamaConfig |
     loaders = {"hf": load_hf, "gguf": load_gguf, "llama2c": load_llama2c,
                "orbax": load_converted}
     return loaders[fmt](p)
+
+
+def read_model_config(path: str | Path) -> LlamaConfig:
+    """A checkpoint's config without its weights: an HF directory or a GGUF file."""
+    p = Path(path)
+    if p.suffix == ".gguf" and p.is_file():
+        return read_gguf_config(read_gguf(p), p)
+    if (p / "config.json").is_file():
+        return read_hf_config(p)
+    raise ValueError(f"{str(p)!r}: no config.json and not a GGUF file; the model's config is "
+                     "read from one of them")
 
 
 def load_tokenizer(path: str | Path, model: LlamaConfig) -> Tokenizer:
