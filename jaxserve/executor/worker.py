@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -130,6 +131,9 @@ class Worker:
             self.model = Llama(cfg, placed, self.dtype,
                                scan_layers=config.runner.scans_layers(platform),
                                native_matmul=native_matmul, max_positions=self.max_model_len)
+        if host_placed:  # the mesh's sharding, as the sharded path's (no copy: one device)
+            nnx.update(self.model, jax.device_put(nnx.state(self.model),
+                                                  NamedSharding(self.mesh, PartitionSpec())))
         # The model holds the arrays it needs. The loader's stay out of reach: on CPU they would
         # be a second copy of every weight for as long as the engine runs.
         self.loaded = dataclasses.replace(self.loaded, params={})
