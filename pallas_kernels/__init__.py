@@ -1,12 +1,11 @@
-"""Pallas kernels for jaxserve's attention: ragged paged attention for TPU (Mosaic) and GPU
-(Triton) and the TPU's in-place KV write, beside the pure-JAX `xla` backend (xla_attention.py),
+"""Pallas kernels for jaxserve's attention: ragged paged attention for TPU (Mosaic, with the
+step's KV write fused in) and GPU (Triton), beside the pure-JAX `xla` backend (xla_attention.py),
 the CPU's native kernels (C++ through the XLA FFI, built by cpu_native.py: the `cpu` backend's
 ragged paged attention, cpu_paged_attention.py, and the dense layers' matmul, cpu_matmul.py),
 and the plain numpy oracle every one of them is checked against (oracle.py). Importable
 without jaxserve, and without libtpu or a GPU (the kernels only need one to compile, not to
 import or to run interpreted)."""
 
-from pallas_kernels.kv_write_tpu import write_kv as kv_write_tpu
 from pallas_kernels.ragged_paged_attention_gpu import (
     ragged_paged_attention as ragged_paged_attention_gpu,
 )
@@ -25,7 +24,6 @@ from pallas_kernels.tiling import (
 __all__ = [
     "default_gpu_tiles",
     "default_tpu_tiles",
-    "kv_write_tpu",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_tpu",
     "ragged_paged_attention_xla",

@@ -1,8 +1,8 @@
 """Ragged paged attention for GPUs, through Pallas' Triton lowering.
 
-Grid (query tile, kv head). Query rows are regrouped as [Hkv, T * Gp, D] (Gp: q heads per KV head,
-padded to a power of two for Triton), so one program owns the Gp heads sharing a KV head for
-num_queries_per_block tokens. It walks the (request, kv block) pairs its tokens need (see
+Grid (query tile, kv head). The queries are read as [T, Hkv, Gp, D] (Gp: q heads per KV head,
+padded to a power of two for Triton; a plain reshape of q when G is one), so one program owns the
+Gp heads sharing a KV head for num_queries_per_block tokens, as [tokens * Gp, D] rows. It walks the (request, kv block) pairs its tokens need (see
 ragged_schedule), gathering each block's pages straight from the stacked cache, which is viewed as
 [L * Hkv * NB, BS, D] so the traced layer index is just an offset.
 """
@@ -19,6 +19,10 @@ from jax.experimental.pallas import triton as plgpu_triton
 from pallas_kernels.ragged_schedule import TileSchedule
 from pallas_kernels.tiling import (check_attention_args, default_gpu_tiles, next_pow2,
                                     validate_gpu_tiling)
+from pallas_kernels.traffic import (KernelTraffic, RaggedBatch, name_params, tile_walk_traffic,
+                                    tiled_name)
+
+KERNEL = "ragged_paged_attention_gpu"
 
 _MASK_VALUE = -1e30  # as the xla backend: finite, so a row that sees nothing gives 0, not NaN
 _NT_DIMS = (((1,), (1,)), ((), ()))  # q @ k.T
@@ -29,10 +33,10 @@ def _kernel(
     seq_lens_ref,  # i32[R]
     tables_ref,  # i32[R * P]
     qsl_ref,  # i32[R + 1]
-    q_ref,  # [N, D]      N = queries_per_block * Gp
+    q_ref,  # [Q, Gp, D]  Q = queries_per_block
     k_ref,  # [L * Hkv * NB, BS, D]
     v_ref,  # [L * Hkv * NB, BS, D]
-    o_ref,  # [N, D]
+    o_ref,  # [Q, Gp, D]
     *,
     sm_scale: float,
     sliding_window: int | None,
@@ -46,14 +50,14 @@ def _kernel(
     num_blocks: int,
 ):
     tile, head = pl.program_id(0), pl.program_id(1)
-    rows, head_dim = q_ref.shape
+    rows, head_dim = queries_per_block * group, q_ref.shape[-1]
     page_size = k_ref.shape[1]
     block_tokens = pages_per_block * page_size
     q_lo = tile * queries_per_block
     sched = TileSchedule(seq_lens_ref, qsl_ref, q_lo, q_lo + queries_per_block, num_reqs,
                          page_size, pages_per_block, pages_per_seq, sliding_window)
     page_base = (layer_ref[0] * num_kv_heads + head) * num_blocks
-    q = q_ref[...]
+    q = q_ref[...].reshape(rows, head_dim)
 
     def body(carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         r, b, m, l, acc = carry
@@ -95,7 +99,7 @@ def _kernel(
     _, _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < r_end, body, init)
     safe_l = jnp.where(l > 0, l, 1.0)
     out = jnp.where(l[:, None] > 0, acc / safe_l[:, None], 0.0)
-    o_ref[...] = out.astype(o_ref.dtype)
+    o_ref[...] = out.astype(o_ref.dtype).reshape(o_ref.shape)
 
 
 def ragged_paged_attention(
@@ -124,7 +128,7 @@ def ragged_paged_attention(
     check_attention_args(q.shape, k_cache.shape, v_cache.shape, sliding_window, soft_cap)
     G = Hq // Hkv
     Gp = next_pow2(G)
-    pages, queries = default_gpu_tiles(group=G, block_size=BS, num_tokens=T)
+    pages, queries = default_gpu_tiles(group=G, block_size=BS, num_tokens=T, num_reqs=R)
     pages = num_kv_pages_per_block or pages
     queries = num_queries_per_block or queries
     if validate:
@@ -132,26 +136,26 @@ def ragged_paged_attention(
                             num_kv_pages_per_block=pages, num_queries_per_block=queries)
     num_tiles = -(-T // queries)
     Tp = num_tiles * queries
-    rows = queries * Gp
-    qg = q.reshape(T, Hkv, G, D).transpose(1, 0, 2, 3)
-    qg = jnp.pad(qg, ((0, 0), (0, Tp - T), (0, Gp - G), (0, 0))).reshape(Hkv, Tp * Gp, D)
+    qg = q.reshape(T, Hkv, G, D)
+    if (Tp, Gp) != (T, G):  # padding copies q: the presets' buckets and groups need none
+        qg = jnp.pad(qg, ((0, Tp - T), (0, 0), (0, Gp - G), (0, 0)))
 
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
         soft_cap=None if soft_cap is None else float(soft_cap), group=Gp,
         queries_per_block=queries, pages_per_block=pages, pages_per_seq=P, num_reqs=R,
         num_kv_heads=Hkv, num_blocks=NB)
-    tile_spec = pl.BlockSpec((None, rows, D), lambda t, h: (h, t, 0))
+    tile_spec = pl.BlockSpec((queries, None, Gp, D), lambda t, h: (t, h, 0, 0))
     whole = pl.no_block_spec
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, Hkv),
         in_specs=[whole, whole, whole, whole, tile_spec, whole, whole],
         out_specs=tile_spec,
-        out_shape=jax.ShapeDtypeStruct((Hkv, Tp * Gp, D), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((Tp, Hkv, Gp, D), q.dtype),
         compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="ragged_paged_attention_gpu",
+        name=tiled_name(KERNEL, g=Gp, q=queries, p=pages, w=sliding_window or 0),
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
         seq_lens.astype(jnp.int32),
@@ -161,5 +165,19 @@ def ragged_paged_attention(
         k_cache.reshape(L * Hkv * NB, BS, D),
         v_cache.reshape(L * Hkv * NB, BS, D),
     )
-    out = out.reshape(Hkv, Tp, Gp, D)[:, :T, :G].transpose(1, 0, 2, 3)
-    return out.reshape(T, Hq, D)
+    return out[:T, :, :G].reshape(T, Hq, D)
+
+
+def hbm_traffic(name: str, operands: list[tuple[tuple[int, ...], int]],
+                batch: RaggedBatch) -> KernelTraffic:
+    """`operands`: (dims, itemsize) of the call's operands as in the HLO: layer, seq_lens,
+    block table, query_start_loc, q [Tp, Hkv, Gp, D], k and v caches [L*Hkv*NB, BS, D]. A page
+    a request does not need reads the null block, which stays in L2: not counted."""
+    tiles = name_params(name, KERNEL)
+    (padded_tokens, hkv, _, head_dim), _ = operands[4]
+    cache_dims, kv_itemsize = operands[5]
+    return tile_walk_traffic(batch, (5, 6), num_kv_heads=hkv, group=tiles["g"],
+                             num_tokens_padded=padded_tokens,
+                             queries_per_block=tiles["q"], pages_per_block=tiles["p"],
+                             page_size=cache_dims[1], head_dim=head_dim,
+                             kv_itemsize=kv_itemsize, sliding_window=tiles["w"] or None)

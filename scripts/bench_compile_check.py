@@ -1,7 +1,9 @@
 """Every TPU/GPU preset's model step, every bucket, compiled deviceless for its own target at its
 own settings (`jaxserve compile-check`, run in .venv-tpu / .venv-gpu): memory, KV capacity,
-cache and weight copies, compile seconds and bytes accessed per bucket, and the whole set's
-compile time.
+cache and weight copies, compile seconds per bucket, the whole set's compile time, and the
+step modelled from the compiled program beside its floor for each batch a bucket is judged on;
+beside the same model's reading of the engine before this change where
+results/compile_check/before/<preset>.json holds one (`--before DIR` writes it).
 
     python scripts/bench_compile_check.py [--presets tpu-v5e-llama3-8b ...] [--num-layers N]
 
@@ -35,7 +37,8 @@ TARGETS = {
 GIB = 2**30
 
 
-def run_preset(name: str, num_layers: int | None) -> tuple[dict | None, float, str]:
+def run_preset(name: str, num_layers: int | None, out_dir: Path = RESULTS_DIR / "compile_check",
+               ) -> tuple[dict | None, float, str]:
     platform = "tpu" if name.startswith("tpu") else "gpu"
     python = REPO_ROOT / f".venv-{platform}" / "bin" / "python"
     if not python.exists():
@@ -43,7 +46,7 @@ def run_preset(name: str, num_layers: int | None) -> tuple[dict | None, float, s
                            f"(scripts/setup_compile_venvs.sh {platform})")
     if platform == "gpu" and not Path(TARGETS[name]).exists():
         return None, 0.0, f"{TARGETS[name]} absent"
-    out = RESULTS_DIR / "compile_check" / f"{name}.json"
+    out = out_dir / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [str(python), "-m", "jaxserve.entrypoints.cli", "compile-check", str(LLAMA3_8B),
            "--target", TARGETS[name], "--config",
@@ -59,12 +62,27 @@ def run_preset(name: str, num_layers: int | None) -> tuple[dict | None, float, s
     return report, wall, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
+def scenario_costs(path: Path) -> dict[tuple[int, int, str], dict]:
+    """(T, R, batch label) -> the cost of a report at `path`; empty where there is none."""
+    if not path.exists():
+        return {}
+    return {(b["num_tokens"], b["num_reqs"], c["label"]): c
+            for b in json.loads(path.read_text())["buckets"] for c in b.get("costs", [])}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=list(TARGETS))
     p.add_argument("--num-layers", type=int, default=None, help="default: the model's 32")
+    p.add_argument("--before", action="store_true",
+                   help="only write the reports to results/compile_check/before/ (run from a "
+                        "checkout of the code before a change, with this cost model in it)")
     args = p.parse_args()
-    summary, buckets, notes = [], [], []
+    if args.before:
+        for name in args.presets:
+            run_preset(name, args.num_layers, RESULTS_DIR / "compile_check" / "before")
+        return 0
+    summary, buckets, costs, notes = [], [], [], []
     for name in TARGETS:
         saved = RESULTS_DIR / "compile_check" / f"{name}.json"
         if name in args.presets:
@@ -90,35 +108,60 @@ def main() -> int:
             f"{sum(b['compile_seconds'] for b in compiled):.0f}",
             "n/a" if wall != wall else f"{wall:.0f}",
             "PASS" if not report["failures"] else "FAIL: " + "; ".join(report["failures"][:3])])
+        before = scenario_costs(RESULTS_DIR / "compile_check" / "before" / f"{name}.json")
         for b in report["buckets"]:
-            accessed = b["bytes_accessed"]
             buckets.append([
                 name, b["num_tokens"], b["num_reqs"], "yes" if b["compiled"] else b["error"],
                 f"{b['compile_seconds']:.1f}", f"{b['temp_bytes'] / GIB:.3f}",
                 f"{b['total_bytes'] / GIB:.2f} / {report['hbm_bytes'] / GIB:.0f}",
-                b["cache_copies"], "n/a" if b["weight_copies"] is None else b["weight_copies"],
-                "n/a" if accessed is None else f"{accessed / 1e9:.2f}",
-                "n/a" if accessed is None else f"{accessed / report['weight_bytes']:.2f}"])
+                b["cache_copies"], "n/a" if b["weight_copies"] is None else b["weight_copies"]])
+            for c in b["costs"]:
+                was = before.get((b["num_tokens"], b["num_reqs"], c["label"]))
+                costs.append([
+                    name, b["num_tokens"], b["num_reqs"], c["label"],
+                    *(f"{c[k] / 1e9:.2f}" for k in ("weights", "kv_read", "kv_write",
+                                                      "activations", "in_kernels")),
+                    f"{c['collectives']} ({c['collective_bytes'] / 1e9:.2f})",
+                    f"{c['flops'] / 1e12:.2f}", f"{c['floor_seconds'] * 1e3:.2f}",
+                    f"{c['sequential_floor_seconds'] * 1e3:.2f}",
+                    f"{c['modelled_seconds'] * 1e3:.2f} ({c['collective_seconds'] * 1e3:.2f})",
+                    f"{c['ratio']:.2f}",
+                    "n/a" if was is None else
+                    f"{was['modelled_seconds'] * 1e3:.2f} / {was['ratio']:.2f}"])
     body = (
         "Llama-3-8B width (4096 hidden, 14336 FFN, 32 q / 8 KV heads, vocab 128,256), bf16, "
-        "abstract weights, each preset's own engine arguments; KV pool sized from the device's "
-        "HBM x gpu_memory_utilization minus weights and the largest step's temporaries. Layers "
-        "are scanned (the TPU/GPU default), so XLA's cost analysis counts the loop body once: "
-        "'GB accessed' is one layer's traffic plus the embedding, LM head and sampler inputs, "
-        "outside the Pallas kernels. GPU: no cost analysis without a device. Cache copies: "
-        "copy/transpose ops of at least one KV layer's size; weight copies: of a stacked "
-        "layer weight's dims, the whole stack or one layer's slice (a relayout read and written "
-        "every step); n/a where layers are unrolled (tpu7x), whose weights share their dims "
-        "with activations.\n\n"
+        "abstract weights, each preset's own engine arguments; KV pool sized from the memory "
+        "the engine plans into (TPU: HBM as libtpu reports it x gpu_memory_utilization; GPU: "
+        "XLA:GPU's 80%) minus weights and the largest step's own bytes. Layers are scanned on "
+        "TPU, unrolled on GPU (XLA:GPU copies a scanned layer's weights: modelled 2.0x the "
+        "decode floor) and on tpu7x. Cache copies: copy/transpose ops of at least one KV "
+        "layer's size; weight copies: of a stacked layer weight's dims, the whole stack or one "
+        "layer's slice (a relayout read and written every step); n/a where layers are unrolled, "
+        "whose weights share their dims with activations.\n\n"
         + markdown_table(["preset", "target", "layers", "TP", "weights GiB/dev", "KV GiB/dev",
                           "blocks x size", "max temporaries GiB (% HBM)", "compiled",
                           "cache copies", "weight copies", "compile s (sum)", "wall s", "gate"],
                          summary)
         + "\n\nPer bucket:\n\n"
         + markdown_table(["preset", "T", "R", "compiled", "seconds", "temporaries GiB",
-                          "total GiB / HBM", "cache copies", "weight copies", "GB accessed",
-                          "/ weight bytes"],
-                         buckets)
+                          "total GiB / HBM", "cache copies", "weight copies"], buckets)
+        + "\n\nThe step per device, modelled from its compiled HLO (each op's device-memory "
+        "bytes and flops at the chip's published peaks, loops times their trip counts, the "
+        "Pallas kernels by their DMAs, collectives on the ICI links less what the ops scheduled "
+        "beside them hide), beside its floor (the weights, each request's visible KV and the "
+        "logits moved once, or the flops at peak, whichever takes longer) and its sequential "
+        "floor (the dense matmuls and attention taking turns, each at its own bound, as a "
+        "layer's data flow has them do unless the batch is split and its halves interleaved): "
+        "GB and ms. Each "
+        "bucket is judged on a decode batch (128 and a full bucket at 1,024 tokens of context) "
+        "or, where it holds more tokens than requests, a mixed one: R - 1 such decodes and one "
+        "prefill chunk at position 0 and deep into the prompt. 'before': the same model on the "
+        "engine as it was (n/a: not measured).\n\n"
+        + markdown_table(["preset", "T", "R", "batch", "weights", "KV read", "KV write",
+                          "activations", "of which in kernels", "collectives (GB sent)",
+                          "TFLOP", "floor ms", "sequential floor ms",
+                          "modelled ms (collectives exposed)", "ratio",
+                          "before: modelled ms / ratio"], costs)
         + ("\n\n" + "\n".join(notes) if notes else ""))
     write_result("bench_compile_check", "Deviceless compile of every TPU/GPU preset", body)
     return 0 if all(row[-1] == "PASS" for row in summary) else 1

@@ -6,18 +6,26 @@ engine's tokens. The kernels' own check (numerics and bandwidth against the HBM 
 scripts/bench_attention.py; scripts/device_gpu_check.sh runs both on a lent GPU.
 
     python scripts/device_check.py [--target ../shared/gpu_targets/h200.txtpb]
+    python scripts/device_check.py --timing configs/engine/h100-llama3-8b.yaml [--out t.json]
 
 With --target the directory is built deviceless for that description (as CI builds them), so
 the check is that a deviceless build runs on the real chip. Prints PASS/FAIL lines; exit 1 on
 a failure.
 
-Run on CPU here (PASS); not yet on a TPU or GPU: no task so far has been lent one with this
-script in place.
+With --timing, the preset's engine over random weights of Llama-3-8B width times its real model
+step on every batch the compile check judges each bucket on (step_floor.scenario_step), and
+prints it beside the step's time as the cost model reads that same compiled program on this
+chip, and the floor: the model is validated the day a chip is lent (`--layers N` for a
+shallower model that fits a smaller device).
+
+Run on CPU here (PASS; --timing runs, with no model for a CPU); not yet on a TPU or GPU: no
+task so far has been lent one with this script in place.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -31,16 +39,85 @@ from jaxserve.executor import aot
 from jaxserve.executor.targets import resolve_target
 from jaxserve.models.hf_loader import read_hf_config
 
+LLAMA3_8B = Path(__file__).resolve().parents[1] / "configs" / "models" / "llama-3-8b"
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
               token_buckets=[128], request_buckets=[8], compilation_cache_dir="")
 PROMPTS = ["def ", "Return the", "class ", "import "]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
+def time_buckets(preset: Path, layers: int | None, buckets: str | None, num_kv_blocks: int | None,
+                 out: Path | None) -> int:
+    """The real step's best time per judged batch beside the cost model's and the floor."""
+    import yaml
+
+    from jaxserve.executor import hlo_text
+    from jaxserve.executor.compile_check import device_model_config
+    from jaxserve.executor.sharding import padded_vocab_size
+    from jaxserve.executor.step_cost import step_cost
+    from jaxserve.executor.step_floor import bucket_scenarios, scenario_step, step_floor
+    from jaxserve.executor.step_shapes import bucket_pairs, step_buckets
+    from jaxserve.executor.targets import chip_of
+
+    model = Path(tempfile.mkdtemp()) / "llama-3-8b"  # the config alone: random weights
+    model.mkdir()
+    config_json = json.loads((LLAMA3_8B / "config.json").read_text())
+    if layers:
+        config_json["num_hidden_layers"] = layers
+    (model / "config.json").write_text(json.dumps(config_json))
+    kwargs = yaml.safe_load(preset.read_text()) | {
+        "model": str(model), "load_format": "dummy", "precompile": False,
+        "compilation_cache_dir": ""} | ({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})
+    llm = LLM(**kwargs)
+    worker = llm.engine.core.executor.worker
+    runner, config = worker.runner, llm.engine.config
+    tp = config.parallel.tensor_parallel_size
+    cfg = device_model_config(worker.model.cfg, tp)
+    chip = chip_of(jax.devices()[0].device_kind)
+    weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.params))
+    rows = []
+    pairs = ([tuple(int(n) for n in pair.split(":")) for pair in buckets.split(",")] if buckets
+             else bucket_pairs(*step_buckets(config)))
+    for T, R in pairs:
+        for scenario in bucket_scenarios(T, R, worker.max_model_len, step_buckets(config)[0]):
+            try:
+                arrays = scenario_step(scenario.batch, T, R, config.cache.block_size,
+                                       runner.max_blocks_per_seq, runner.k_cache.shape[2])
+            except ValueError as e:
+                print(f"T {T}  R {R}  batch {scenario.label}  skipped: {e}", flush=True)
+                continue
+            measured, hlo = runner.time_step(arrays)
+            row = {"T": T, "R": R, "batch": scenario.label, "measured_ms": measured * 1e3}
+            if chip is not None:
+                cost = step_cost(hlo_text.parse(hlo), chip, scenario.batch, tp)
+                floor = step_floor(cfg, tp, weight_bytes, worker.model.dtype.itemsize,
+                                   scenario.batch, padded_vocab_size(cfg.vocab_size, tp), chip)
+                row |= {"modelled_ms": cost.seconds * 1e3, "floor_ms": floor.seconds * 1e3,
+                        "sequential_floor_ms": floor.sequential_seconds * 1e3,
+                        "measured_over_modelled": measured / cost.seconds}
+            rows.append(row)
+            print("  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in row.items()), flush=True)
+    if out is not None:
+        out.write_text(json.dumps({"device": jax.devices()[0].device_kind, "preset": str(preset),
+                                   "rows": rows}, indent=2))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=None, help="build deviceless for this target first")
+    p.add_argument("--timing", type=Path, default=None, metavar="PRESET",
+                   help="time the preset's real step per judged batch beside the cost model")
+    p.add_argument("--layers", type=int, default=None, help="with --timing: model depth")
+    p.add_argument("--buckets", default=None, metavar="T:R,...",
+                   help="with --timing: only these buckets (default: the preset's)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="with --timing: the KV pool (default: the preset's, or sized)")
+    p.add_argument("--out", type=Path, default=None, help="with --timing: write JSON here")
     args = p.parse_args()
+    if args.timing is not None:
+        return time_buckets(args.timing, args.layers, args.buckets, args.num_kv_blocks, args.out)
     model = default_model_path()
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})")
     cold = LLM(model, precompile=True, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -65,7 +65,7 @@ HELP = {
                          "where its native kernels build, else xla), xla, cpu (native paged "
                          "attention and, for float32 on one device, dense layers), pallas, "
                          "or pallas_interpret",
-    "scan_layers": "run the layers as one lax.scan (default: on TPU/GPU, not on CPU)",
+    "scan_layers": "run the layers as one lax.scan (default: on TPU; CPU and GPU unroll them)",
     "token_buckets": "padded step sizes to compile, in tokens (default: powers of two from 1 "
                      "to max_num_batched_tokens)",
     "request_buckets": "padded request counts to compile (default: powers of two from 8 to "
@@ -74,6 +74,10 @@ HELP = {
     "strict_compile": "fail a step that needs a compilation after warm-up",
     "compilation_cache_dir": "JAX's persistent compilation cache ('' turns it off)",
     "compiled_dir": "executables written by `jaxserve compile`: nothing is compiled",
+    "collective_matmul_min_tokens": "with tensor parallelism, steps of at least this many "
+                                    "tokens overlap their collectives with the matmuls, the "
+                                    "residual sharded by rows (default: on TPU/GPU, from where "
+                                    "that is faster on the chip; off on CPU)",
     "tensor_parallel_size": "devices each model is sharded over",
     "data_parallel_size_local": "model replicas in this process",
     "data_parallel_size": "model replicas (vLLM's name; here all run in this process)",

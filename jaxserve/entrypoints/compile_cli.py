@@ -21,6 +21,13 @@ def _buckets(text: str) -> list[tuple[int, int]]:
         raise argparse.ArgumentTypeError(f"expected T:R,T:R,..., got {text!r}") from None
 
 
+def _tiles(text: str) -> dict[str, int]:
+    try:
+        return {key: int(value) for key, value in (pair.split("=") for pair in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=N,NAME=N,..., got {text!r}") from None
+
+
 def _model_path(args: argparse.Namespace) -> Path:
     model = Path(args.model)
     return model.parent if model.name == "config.json" else model
@@ -47,12 +54,13 @@ def _model_config(args: argparse.Namespace) -> Any:
 
 def cmd_compile_check(args: argparse.Namespace) -> int:
     from jaxserve.executor import compile_check
+    from jaxserve.executor.compile_report import format_report
     from jaxserve.executor.targets import resolve_target
 
     cfg, config = _model_config(args), _engine_config(args)
     report = compile_check.check(resolve_target(args.target), cfg, config, args.buckets,
-                                 args.kv_write)
-    print(compile_check.format_report(report))
+                                 args.kv_write, args.dump_hlo, args.attention_tiles)
+    print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
     return 1 if report.failures() else 0
@@ -102,16 +110,25 @@ def register(subparsers: Any) -> None:  # argparse._SubParsersAction
         description="Build the engine's model step for every bucket over abstract weights and "
                     "compile it with the target's real compiler (libtpu for TPU topologies, "
                     "the CUDA compile-only plugin for GPU descriptions). Reports memory, KV "
-                    "capacity, KV-cache copies and bytes accessed per bucket; exits 1 if any "
-                    "bucket fails to compile, copies the cache, or needs temporaries over 5%% "
-                    "of HBM.")
+                    "capacity and KV-cache copies per bucket, and the step's time on the chip "
+                    "modelled from the compiled program (bytes by kind, flops, collectives) "
+                    "beside its floor, for decode and mixed batches; exits 1 if any bucket "
+                    "fails to compile, copies the cache, needs temporaries over 5%% of HBM or "
+                    "more memory than the engine plans into, or is modelled over 1.25x its "
+                    "floor.")
     _common(p)
     p.add_argument("--target", required=True, help=target_help)
     p.add_argument("--buckets", type=_buckets, default=None, metavar="T:R,...",
                    help="only these (tokens, requests) buckets")
     p.add_argument("--kv-write", choices=("kernel", "scatter"), default="kernel",
                    help="scatter: XLA's scatter beside the kernel (shows the copies it costs)")
+    p.add_argument("--attention-tiles", type=_tiles, default=None, metavar="NAME=N,...",
+                   help="the attention kernel's tile arguments instead of its defaults, to see "
+                        "what another tiling costs (e.g. num_queries_per_block=16 on GPU, "
+                        "sub_rows=128,num_kv_pages_per_block=2 on TPU)")
     p.add_argument("--json", default=None, help="also write the report as JSON here")
+    p.add_argument("--dump-hlo", default=None, metavar="DIR",
+                   help="write each bucket's compiled HLO text here (T<t>_R<r>_S<s>.hlo)")
     p.set_defaults(func=cmd_compile_check)
 
     c = subparsers.add_parser(

@@ -27,13 +27,14 @@ from jaxserve.models.llama_config import LlamaConfig
 
 MANIFEST = "manifest.json"
 KV_INIT = ("kv_init", None)  # the program that allocates the zeroed KV pool
-FORMAT = 4  # the programs' arguments (2: the last step's samples with their accepted drafts;
+FORMAT = 5  # the programs' arguments (2: the last step's samples with their accepted drafts;
 # 3: the LM head vocab-major, [V, D]; 4: the sampler returns the host's ids, the model step no
-# drafts, and a tied head on the native CPU path is packed)
+# drafts, and a tied head on the native CPU path is packed; 5: the TPU kernel writes the KV
+# cache, and the step's sample rows come back replicated)
 # Engine arguments that change a program's shapes, sharding or code.
 SHAPE_ARGS = ("dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
               "token_buckets", "request_buckets", "attention_backend", "scan_layers",
-              "tensor_parallel_size", "max_logprobs")
+              "tensor_parallel_size", "max_logprobs", "collective_matmul_min_tokens")
 _PLUGINS = ("jaxlib", "libtpu", "jax-cuda13-plugin", "jax-cuda12-plugin")
 
 

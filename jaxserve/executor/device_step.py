@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import EngineConfig
 from jaxserve.executor.device_drafts import propose_drafts, propose_ngram_drafts, write_tokens
@@ -27,9 +28,14 @@ from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.packing import PackedLayout, pack, unpack
 from jaxserve.executor.spec_verify import accepted_drafts, resolve_previous_step, sample_rows
 from jaxserve.executor.step_shapes import device_draft_statics
+from jaxserve.executor.targets import Chip
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.axes import AXIS
+from jaxserve.layers.collective_matmul import CollectiveMatmul
+from jaxserve.layers.dense import DENSE_PARAMS
 from jaxserve.layers.sampler import SamplerOutput, TokenLogprobs, sample, token_logprobs
 from jaxserve.models.llama import Llama
+from jaxserve.models.llama_config import LlamaConfig, param_shapes
 
 ProgramKey = tuple[str, PackedLayout | None]  # (kind, the packed inputs' layout)
 # The drafter's caches over the KV blocks, donated like the target's: the draft model's (k, v)
@@ -57,17 +63,19 @@ class StepStatics:
     `max_drafts` > 0: the drafting program, which drafts up to `max_drafts` tokens a request
     on the device: from the draft model, by n-gram lookup, or (layer-skip self-speculation)
     from the target's first `draft_layers` layers. `ngram`: (prompt_lookup_min, _max) with
-    n-gram speculation, whose token cache every program writes."""
+    n-gram speculation, whose token cache every program writes. `collective`: where the
+    target's steps overlap their tensor-parallel collectives with the matmuls."""
 
     def __init__(self, graphdef: nnx.GraphDef, backend: AttentionBackend,
                  kv_sharding: NamedSharding, draft_layers: int = 0, max_drafts: int = 0,
                  draft_graphdef: nnx.GraphDef | None = None,
-                 ngram: tuple[int, int] | None = None):
+                 ngram: tuple[int, int] | None = None,
+                 collective: CollectiveMatmul | None = None):
         self.graphdef, self.backend, self.kv_sharding = graphdef, backend, kv_sharding
         self.draft_layers, self.max_drafts = draft_layers, max_drafts
-        self.draft_graphdef, self.ngram = draft_graphdef, ngram
+        self.draft_graphdef, self.ngram, self.collective = draft_graphdef, ngram, collective
         self._key = (graphdef, backend, kv_sharding, draft_layers, max_drafts, draft_graphdef,
-                     ngram)
+                     ngram, collective)
         self._hash = hash(self._key)
 
     def __hash__(self) -> int:
@@ -79,14 +87,56 @@ class StepStatics:
 
 
 def step_statics(config: EngineConfig, graphdef: nnx.GraphDef, backend: AttentionBackend,
-                 kv_sharding: NamedSharding, draft_graphdef: nnx.GraphDef | None = None,
+                 kv_sharding: NamedSharding, chip: Chip | None, cfg: LlamaConfig,
+                 itemsize: int, draft_graphdef: nnx.GraphDef | None = None,
                  ) -> tuple[StepStatics, StepStatics | None]:
-    """The plain program's statics and the drafting program's (None: no speculation)."""
+    """The plain program's statics and the drafting program's (None: no speculation).
+    `chip`: the device's published figures (None on CPU); `cfg`, `itemsize`: the target model
+    as the devices hold it."""
     draft_layers, max_drafts, ngram = device_draft_statics(config)
+    collective = collective_matmul(config, kv_sharding.mesh, chip, cfg, itemsize)
     plain = StepStatics(graphdef, backend.without_drafts(), kv_sharding,
-                        draft_graphdef=draft_graphdef, ngram=ngram)
+                        draft_graphdef=draft_graphdef, ngram=ngram, collective=collective)
     return plain, StepStatics(graphdef, backend, kv_sharding, draft_layers, max_drafts,
-                              draft_graphdef, ngram) if max_drafts else None
+                              draft_graphdef, ngram, collective) if max_drafts else None
+
+
+def collective_matmul(config: EngineConfig, mesh: Mesh, chip: Chip | None, cfg: LlamaConfig,
+                      itemsize: int) -> CollectiveMatmul | None:
+    """Where steps overlap their collectives with the matmuls: from the configured token count,
+    or from the fewest tokens for which, on this chip, a layer takes less time that way."""
+    tp = mesh.shape[AXIS]
+    if tp == 1:
+        return None
+    tokens = config.runner.collective_matmul_min_tokens
+    if tokens is None and chip is not None:
+        tokens = next((T for T in (2 * tp << i for i in range(20))
+                       if _collective_matmul_gain(T, tp, cfg, itemsize, chip) > 0), None)
+    return None if tokens is None else CollectiveMatmul(mesh, tokens)
+
+
+def _collective_matmul_gain(tokens: int, tp: int, cfg: LlamaConfig, itemsize: int,
+                            chip: Chip) -> float:
+    """Seconds a layer of `tokens` rows saves with the collective matmuls. Plainly: its
+    matmuls, then two all-reduces of [tokens, hidden]. With them, each of its four matmul
+    groups (q/k/v, o, gate/up, down) runs one chunk of rows per device, each chunk reading the
+    weights again, beside the transfer of the next chunk (half the rows each way, one link)."""
+    shapes = param_shapes(cfg)
+    weights = {name: math.prod(shapes[name][1:]) * itemsize // tp for name in DENSE_PARAMS}
+    groups = [("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",)]
+
+    def matmul(rows: int, w: int) -> float:  # 2 flops per weight element and row
+        return max(w / chip.hbm_bandwidth, 2 * rows * w / itemsize / chip.bf16_flops)
+
+    row_bytes = cfg.hidden_size * itemsize
+    plain = sum(matmul(tokens, w) for w in weights.values()) + 2 * chip.collective_seconds(
+        2 * (tp - 1) / tp * tokens * row_bytes, 2 * (tp - 1), links=2)  # XLA's 2 rings
+    transfer = chip.collective_seconds(tokens // tp // 2 * row_bytes, 1, links=1)
+    overlapped = 0.0
+    for group in groups:
+        chunk = sum(matmul(tokens // tp, weights[name]) for name in group)
+        overlapped += chunk + (tp - 1) * max(chunk, transfer)
+    return plain - overlapped
 
 
 class _Forward(NamedTuple):
@@ -130,7 +180,8 @@ def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cac
             draft, None, statics.backend, statics.max_drafts, input_ids, md, draft_starts,
             num_drafts, *draft_kv)
         draft_kv = (draft_k, draft_v)
-    hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend)
+    hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend,
+                                     collective=statics.collective)
     if draft is not None:
         draft_kv = catch_up(draft, statics.backend, input_ids, md, *draft_kv)
     # Pin the caches' layout so the donated buffers come back exactly as they went in (the
@@ -139,8 +190,11 @@ def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cac
         lambda c: jax.lax.with_sharding_constraint(
             c, statics.kv_sharding if c.ndim == 5 else replicated(statics.kv_sharding)),
         (k_cache, v_cache, draft_kv))
-    rows = sample_rows(input_ids, md.query_start_loc, logits_indices, draft_starts, num_drafts,
-                       token_shift)
+    # Replicated as the host reads them: a step whose residual is sharded by rows
+    # (collective matmul) would have the compiler shard what is read off its tokens too.
+    rows = jax.lax.with_sharding_constraint(
+        sample_rows(input_ids, md.query_start_loc, logits_indices, draft_starts, num_drafts,
+                    token_shift), replicated(statics.kv_sharding))
     return _Forward(model, hidden, k_cache, v_cache, draft_kv, logits_indices, rows)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.executor.draft_model import load_draft
+from jaxserve.executor.device_memory import set_allocator_fraction
 from jaxserve.executor.mesh import initialize_distributed, rank_meshes
 from jaxserve.executor.model_runner import PendingStep, UnexpectedCompilationError
 from jaxserve.executor.worker import BuiltWorker, Worker, restores_sharded
@@ -20,6 +21,7 @@ from jaxserve.models.loader import load_configured
 
 class Executor:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        set_allocator_fraction(config.cache.gpu_memory_utilization)  # before JAX's GPU client
         initialize_distributed(config.parallel)
         m = config.model
         if loaded is None and not restores_sharded(config):

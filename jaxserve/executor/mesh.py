@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ParallelConfig
@@ -36,8 +37,21 @@ def rank_meshes(parallel: ParallelConfig, devices: list[Any] | None = None) -> l
     if tp * dp > len(devices):
         raise ValueError(f"tensor_parallel_size {tp} x data_parallel_size_local {dp} needs "
                          f"{tp * dp} devices, but only {len(devices)} are present")
-    return [Mesh(np.array(devices[r * tp:(r + 1) * tp]).reshape(1, tp), (DATA_AXIS, AXIS))
-            for r in range(dp)]
+    return [tp_mesh(devices[r * tp:(r + 1) * tp]) for r in range(dp)]
+
+
+def tp_mesh(devices: list[Any]) -> Mesh:
+    """A (1, tp) mesh over `devices`. On TPU they are ordered around a physical ring
+    (`mesh_utils`), so the model axis's neighbours are ICI neighbours: in a 2x2, device
+    order 0-1-2-3 would send the collective matmuls' ring from chip 1 to chip 2 across a
+    diagonal, two hops."""
+    ordered = np.array(devices)
+    if devices and devices[0].platform == "tpu":
+        try:
+            ordered = mesh_utils.create_device_mesh((len(devices),), devices)
+        except (AssertionError, NotImplementedError, ValueError):
+            pass  # a set of devices mesh_utils cannot lay out: their order as given
+    return Mesh(ordered.reshape(1, len(devices)), (DATA_AXIS, AXIS))
 
 
 def place(array: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -44,6 +44,7 @@ from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_block
 from jaxserve.executor.packing import PackedLayout, pack
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.executor.spec_verify import accepted_tokens
+from jaxserve.executor.targets import chip_of
 from jaxserve.executor.step_shapes import (max_sample_rows, num_speculative_tokens,
                                            step_buckets, warm_up_programs)
 from jaxserve.executor.prompt_logprobs import (PromptLogprobsPlan, finished_prompt_logprobs,
@@ -118,8 +119,10 @@ class ModelRunner:
         # shapes share compiled executables within a process.
         graphdef, self.params = split_model(model)
         draft_graphdef, self.draft_params = split_model(draft) if draft else (None, None)
-        self.statics, self.draft_statics = step_statics(config, graphdef, backend,
-                                                        self.kv_sharding, draft_graphdef)
+        self.statics, self.draft_statics = step_statics(
+            config, graphdef, backend, self.kv_sharding,
+            chip_of(mesh.devices.flat[0].device_kind), model.cfg, model.dtype.itemsize,
+            draft_graphdef)
         # The last launched step's samples, and per request whose next input one of them is:
         # its first sample row there and its drafts.
         zeros = jax.device_put(np.zeros(max_sample_rows(config), np.int32),
@@ -246,6 +249,24 @@ class ModelRunner:
         sample_fn = self.executables.get(("sample", layout))
         return (_sample(layout, logits, prev, rows, inputs) if sample_fn is None
                 else sample_fn(logits, prev, rows, inputs))
+
+    def time_step(self, arrays: StepArrays, repeats: int = 5) -> tuple[float, str]:
+        """Best wall seconds, over `repeats`, of the model step program alone on `arrays` (a
+        step the caller built, e.g. step_floor.scenario_step; it writes those arrays' KV
+        slots), blocking each time; and the program's compiled HLO, for the cost model to read
+        beside the time (scripts/device_check.py). Not for a serving engine's steps."""
+        inputs, layout = step_inputs(arrays)
+        key = step_key(arrays, layout)
+        inputs = replicate(inputs, self.mesh)
+        hlo = _step.lower(self._statics(arrays), layout, *self._weights_and_caches(), self.prev,
+                          inputs).compile().as_text()
+        jax.block_until_ready(self._call_step(arrays, key, self.prev, inputs))  # compiles once
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(self._call_step(arrays, key, self.prev, inputs))
+            best = min(best, time.perf_counter() - start)
+        return best, hlo
 
     def time_last_step(self, repeats: int = 5) -> float:
         """Best wall seconds, over `repeats`, of the last launched step's compiled model and

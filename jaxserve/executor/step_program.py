@@ -24,6 +24,7 @@ from jaxserve.executor.device_step import (PrevSamples, StepStatics, _sample, _s
 from jaxserve.executor.step_shapes import (bucket_pairs, max_sample_rows, num_speculative_tokens,
                                            step_buckets, step_variants)
 from jaxserve.executor.packing import pack
+from jaxserve.executor.targets import chip_of
 from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.models.llama import Llama
@@ -102,13 +103,16 @@ def step_program(target: ModelParts, config: EngineConfig, backend: AttentionBac
                  num_blocks: int, max_model_len: int, draft: ModelParts | None = None,
                  ) -> StepProgram:
     """`target` (and `draft`, the draft model): weights, real or abstract, on the mesh the KV
-    caches will live on."""
+    caches will live on (its devices' kind picks the chip figures the step is planned by)."""
     mesh = jax.tree.leaves(target.state)[0].sharding.mesh
     kv_sharding = kv_cache_sharding(mesh)
     bs = config.cache.block_size
     rows = jax.ShapeDtypeStruct((max_sample_rows(config),), jnp.int32,
                                 sharding=NamedSharding(mesh, P()))
-    plain, drafting = step_statics(config, target.graphdef, backend, kv_sharding,
+    chip = chip_of(mesh.devices.flat[0].device_kind)
+    itemsize = jax.tree.leaves(target.state)[0].dtype.itemsize
+    plain, drafting = step_statics(config, target.graphdef, backend, kv_sharding, chip,
+                                   target.cfg, itemsize,
                                    None if draft is None else draft.graphdef)
     draft_kv = None
     if draft is not None:
@@ -126,21 +130,26 @@ def token_cache_shape(num_blocks: int, block_size: int, mesh: Any) -> jax.ShapeD
                                 sharding=NamedSharding(mesh, P()))
 
 
-def largest_step_temp_bytes(target: ModelParts, config: EngineConfig,
-                            backend: AttentionBackend, max_model_len: int,
-                            draft: ModelParts | None = None) -> int:
-    """The temporaries of the engine's largest step (the draft model's passes included),
-    compiled over a minimal KV pool (they do not grow with the pool: the caches are updated in
-    place)."""
+def largest_step_bytes(target: ModelParts, config: EngineConfig, backend: AttentionBackend,
+                       max_model_len: int, draft: ModelParts | None = None) -> int:
+    """What the engine's largest step needs per device beside the weights and the KV pool:
+    its temporaries, inputs and outputs (the draft model's passes included), compiled over a
+    minimal KV pool (they do not grow with the pool: the caches are updated in place)."""
     min_blocks = -(-max_model_len // config.cache.block_size) + 1
     program = step_program(target, config, backend, min_blocks, max_model_len, draft)
     T, R = max(bucket_pairs(*step_buckets(config)))
     compiled = program.compile(T, R, *step_variants(T, R, num_speculative_tokens(config))[-1])
-    return int(compiled.memory_analysis().temp_size_in_bytes)
+    mem = compiled.memory_analysis()
+    held = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+               for x in jax.tree.leaves((program.state, program.kv, program.kv,
+                                         program.draft_state, program.draft_kv)))
+    return int(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+               + mem.temp_size_in_bytes) - held
 
 
-def kv_blocks_for(hbm_bytes: int, utilization: float, weight_bytes: int, temp_bytes: int,
+def kv_blocks_for(planned_bytes: int, weight_bytes: int, step_bytes: int,
                   block_bytes: int) -> int:
-    """KV pool size on one device: what the memory share leaves after the weights and the
-    step's temporaries (vLLM sizes its pool the same way, from a profile run)."""
-    return max(0, int((hbm_bytes * utilization - weight_bytes - temp_bytes) // block_bytes))
+    """KV pool size on one device: what the memory it plans into (executor/device_memory.py)
+    leaves after the weights and the largest step's own bytes (vLLM sizes its pool the same
+    way, from a profile run)."""
+    return max(0, int((planned_bytes - weight_bytes - step_bytes) // block_bytes))

@@ -21,6 +21,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compiled_dir import KV_INIT
+from jaxserve.executor.device_memory import plan
 from jaxserve.executor.draft_model import FIELD as DRAFT_FIELD, load_draft, place_draft
 from jaxserve.executor.host_memory import CPU_KV_MEMORY_FRACTION, available_host_bytes
 from jaxserve.executor.huge_pages import collapse_in_background
@@ -33,7 +34,7 @@ from jaxserve.executor.sharding import (
     shard_params,
     validate_tensor_parallel,
 )
-from jaxserve.executor.step_program import (ModelParts, kv_blocks_for, largest_step_temp_bytes,
+from jaxserve.executor.step_program import (ModelParts, kv_blocks_for, largest_step_bytes,
                                             token_cache_shape)
 from jaxserve.executor.step_shapes import ngram_lookup, num_speculative_tokens
 from jaxserve.layers.attention import (
@@ -245,14 +246,16 @@ class Worker:
         tp = self.mesh.shape[AXIS]
         per_block = sum(kv_cache_bytes_per_block(cfg, cache.block_size, self.dtype)
                         for cfg in self.model_configs) // tp  # per device: its KV heads
-        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        device = self.mesh.devices.flat[0]
+        stats = device.memory_stats() or {}
         blocks_per_seq = -(-self.max_model_len // cache.block_size)
         if "bytes_limit" in stats:  # one extra compile at start, like vLLM's profile run
-            temp = largest_step_temp_bytes(
+            step = largest_step_bytes(
                 ModelParts.of(self.model), self.config, backend, self.max_model_len,
                 None if self.draft is None else ModelParts.of(self.draft))
-            num_blocks = kv_blocks_for(stats["bytes_limit"], cache.gpu_memory_utilization,
-                                       stats.get("bytes_in_use", 0), temp, per_block)
+            num_blocks = kv_blocks_for(
+                plan(device.platform, stats["bytes_limit"], cache.gpu_memory_utilization),
+                stats.get("bytes_in_use", 0), step, per_block)
         elif cache.cpu_kv_cache_space_gib is not None:
             num_blocks = int(cache.cpu_kv_cache_space_gib * 2**30 // per_block)
         else:

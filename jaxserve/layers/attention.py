@@ -33,6 +33,9 @@ class AttentionMetadata:
 AttendFn = Callable[..., jax.Array]
 # (k_cache, v_cache, layer, k, v, slot_mapping, query_start_loc) -> (k_cache, v_cache)
 WriteFn = Callable[..., tuple[jax.Array, jax.Array]]
+# (q, k, v, k_cache, v_cache, layer, seq_lens, block_tables, query_start_loc, **kwargs)
+# -> (o, k_cache, v_cache)
+FusedFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 def scatter_write(k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array, k: jax.Array,
@@ -44,19 +47,21 @@ def scatter_write(k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """`write(k_cache, v_cache, layer, k, v, md)`, then
-    `attend(q, k_cache, v_cache, layer, md, sm_scale=, sliding_window=, soft_cap=)`.
+    """`write_and_attend(q, k, v, k_cache, v_cache, layer, md, sm_scale=, sliding_window=,
+    soft_cap=)`: the step's new KV into the cache, then attention over it.
 
-    Each layer writes the whole batch's KV before any attention read: a prefix-cache hit on a
-    block filled earlier in the same step then reads written KV. On TPU the write is a Pallas
-    kernel that updates the cache in place (XLA's scatter would copy the whole cache into a
-    layout of its own and back); elsewhere XLA's scatter. Pallas kernels cannot be partitioned
-    by XLA, so under tensor parallelism they run per device in a `shard_map` over heads; the
-    `xla` backend is left to the SPMD partitioner."""
+    On TPU one Pallas kernel does both (`fused`): it writes the new rows in whole tiles from
+    the blocks it reads for attention, in place (XLA's scatter would copy the whole cache into
+    a layout of its own and back). Elsewhere XLA's scatter writes the whole batch's KV, then
+    the kernel reads it. No request reads KV another request writes in the same step: a prefix
+    becomes hittable only once the step writing it is launched (core/kv_cache_manager.py).
+    Pallas kernels cannot be partitioned by XLA, so under tensor parallelism they run per
+    device in a `shard_map` over heads; the `xla` backend is left to the SPMD partitioner."""
     name: str
     kernel: AttendFn
     mesh: Mesh | None = None
     writer: WriteFn = scatter_write
+    fused: FusedFn | None = None
 
     def _per_device(self, is_kernel: bool) -> bool:
         return is_kernel and self.mesh is not None and self.mesh.shape[AXIS] > 1
@@ -69,16 +74,27 @@ class AttentionBackend:
             return replace(self, kernel=_xla_kernel(1))
         return self
 
-    def write(self, k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array, k: jax.Array,
-              v: jax.Array, md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-        args = (k_cache, v_cache, layer, k, v, md.slot_mapping, md.query_start_loc)
-        if not self._per_device(self.writer is not scatter_write):
-            return self.writer(*args)
-        args = (k_cache, v_cache, jnp.asarray(layer, jnp.int32), *args[3:])  # arrays only
+    def write_and_attend(self, q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
+                         v_cache: jax.Array, layer: int | jax.Array, md: AttentionMetadata,
+                         **kwargs: object) -> tuple[jax.Array, jax.Array, jax.Array]:
+        if self.fused is None:
+            k_cache, v_cache = self.writer(k_cache, v_cache, layer, k, v, md.slot_mapping,
+                                           md.query_start_loc)
+            return self.attend(q, k_cache, v_cache, layer, md, **kwargs), k_cache, v_cache
+
+        def fused(q, k, v, k_cache, v_cache, layer, seq_lens, block_tables, query_start_loc):
+            return self.fused(q, k, v, k_cache, v_cache, layer, seq_lens, block_tables,
+                              query_start_loc, **kwargs)
+
+        args = (q, k, v, k_cache, v_cache, layer, md.seq_lens, md.block_tables,
+                md.query_start_loc)
+        if not self._per_device(True):
+            return fused(*args)
         heads, cache = P(None, AXIS, None), P(None, AXIS)
-        return jax.shard_map(self.writer, mesh=self.mesh,
-                             in_specs=(cache, cache, P(), heads, heads, P(), P()),
-                             out_specs=(cache, cache), check_vma=False)(*args)
+        return jax.shard_map(fused, mesh=self.mesh,
+                             in_specs=(heads, heads, heads, cache, cache, P(), P(), P(), P()),
+                             out_specs=(heads, cache, cache), check_vma=False)(
+            *args[:5], jnp.asarray(layer, jnp.int32), *args[6:])
 
     def attend(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array,
                md: AttentionMetadata, **kwargs: object) -> jax.Array:
@@ -103,14 +119,16 @@ def _xla_kernel(decode_rows: int) -> AttendFn:
 
 
 @functools.cache
-def _pallas_kernels(kind: str, interpret: bool) -> tuple[AttendFn, WriteFn]:
+def _pallas_kernels(kind: str, interpret: bool) -> tuple[AttendFn, FusedFn | None]:
     # Cached so equal backends are one object: the jitted step's cache is keyed on it.
-    from pallas_kernels import kv_write_tpu, ragged_paged_attention_gpu, ragged_paged_attention_tpu
+    from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention as gpu_attend
+    from pallas_kernels.ragged_paged_attention_tpu import (ragged_paged_attention as tpu_attend,
+                                                           write_and_attend)
 
-    if kind == "gpu":  # XLA:GPU scatters into the cache in place
-        return functools.partial(ragged_paged_attention_gpu, interpret=interpret), scatter_write
-    return (functools.partial(ragged_paged_attention_tpu, interpret=interpret),
-            functools.partial(kv_write_tpu, interpret=interpret))
+    if kind == "gpu":  # XLA:GPU scatters into the cache in place, row by row
+        return functools.partial(gpu_attend, interpret=interpret), None
+    return (functools.partial(tpu_attend, interpret=interpret),
+            functools.partial(write_and_attend, interpret=interpret))
 
 
 def get_attention_backend(name: str, platform: str | None = None, mesh: Mesh | None = None,
@@ -142,8 +160,8 @@ def get_attention_backend(name: str, platform: str | None = None, mesh: Mesh | N
         raise ValueError(f"attention_backend 'pallas' needs a TPU or GPU, this is {platform!r}; "
                          "use 'pallas_interpret' or 'xla'")
     kind = "tpu" if name == "pallas_interpret" or platform == "tpu" else "gpu"
-    kernel, writer = _pallas_kernels(kind, name == "pallas_interpret")
-    return AttentionBackend(name, kernel, mesh, writer)
+    kernel, fused = _pallas_kernels(kind, name == "pallas_interpret")
+    return AttentionBackend(name, kernel, mesh, fused=fused)
 
 
 def validate_backend(backend: AttentionBackend, *, platform: str, num_q_heads: int,
@@ -156,16 +174,15 @@ def validate_backend(backend: AttentionBackend, *, platform: str, num_q_heads: i
 
     group = num_q_heads // num_kv_heads
     if platform == "tpu":
-        pages, queries = pk.default_tpu_tiles(group=group, block_size=block_size,
-                                              num_tokens=max_num_tokens, q_dtype=dtype)
+        pages, sub_rows = pk.default_tpu_tiles(block_size=block_size)
         pk.validate_tpu_tiling(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                head_dim=head_dim, block_size=block_size,
                                max_num_seqs=max_num_seqs, pages_per_seq=pages_per_seq,
-                               num_kv_pages_per_block=pages, num_queries_per_block=queries,
-                               q_dtype=dtype, kv_dtype=dtype)
+                               num_kv_pages_per_block=pages, sub_rows=sub_rows,
+                               num_tokens=max_num_tokens, q_dtype=dtype, kv_dtype=dtype)
     else:
         pages, queries = pk.default_gpu_tiles(group=group, block_size=block_size,
-                                              num_tokens=max_num_tokens)
+                                              num_tokens=max_num_tokens, num_reqs=max_num_seqs)
         pk.validate_gpu_tiling(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                head_dim=head_dim, block_size=block_size,
                                num_kv_pages_per_block=pages, num_queries_per_block=queries)

@@ -18,6 +18,7 @@ from jaxserve.models.llama_config import LlamaConfig
 
 CONFIG = '{"flag_configs":[]}'
 HLO = "\n".join([
+    "ENTRY %main.1 () -> bf16[] {",
     # the whole wq stack relaid out once per step, and one layer's slice of wk inside the loop
     f"  %copy.116 = bf16[32,4096,1024]{{1,2,0:T(8,128)(2,1)}} copy(%param.44), "
     f"backend_config={CONFIG}",
@@ -33,6 +34,7 @@ HLO = "\n".join([
     # a KV layer (one device's shard of K) copied
     "  %copy.9 = bf16[1,2,5296,64,128]{4,3,2,1,0:T(8,128)(2,1)} copy(%param.3)",
     "  %dot.1 = bf16[512,1024]{1,0} convolution(%a, %b)",
+    "}",
 ])
 WEIGHTS = {(32, 4096, 1024), (1, 4096, 1024), (32, 4096, 256), (1, 4096, 256),
            (128256 // 4, 4096)}

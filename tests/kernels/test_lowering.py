@@ -57,44 +57,34 @@ def test_gpu_kernel_lowers_for_cuda_through_triton(dtype: str) -> None:
     assert "mosaic_gpu" not in text
 
 
-def test_misaligned_query_tile_is_rejected_for_tpu() -> None:
-    # 4 tokens x 1 q head per KV head = 4 rows: the q/out VMEM tile breaks the (8, 128) rule.
-    with pytest.raises(ValueError, match="num_queries_per_block=4"):
+def test_misaligned_sub_tiles_are_rejected_for_tpu() -> None:
+    # A sub-tile's rows start at multiples of 8 (f32) or 16 (bf16): whole VMEM tiles.
+    with pytest.raises(ValueError, match="sub_rows=12"):
         validate_tpu_tiling(num_q_heads=2, num_kv_heads=2, head_dim=128, block_size=16,
                             max_num_seqs=R, pages_per_seq=P, num_kv_pages_per_block=8,
-                            num_queries_per_block=4)
-    with pytest.raises(ValueError, match="num_queries_per_block=1"):  # 1 token x 4 heads
-        lower_for_tpu("TPU v5 lite", "float32", num_queries_per_block=1)
-    # Past our check, the Pallas TPU lowering itself refuses it, so the check guards a real limit.
-    with pytest.raises(ValueError, match="divisible by 8 and 128"):
-        mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
-            device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
-        with use_abstract_mesh(mesh):
-            jax.jit(lambda *a: ragged_paged_attention_tpu(
-                *a, sm_scale=1.0, num_queries_per_block=4, validate=False)).trace(
-                    *shapes("float32", num_q_heads=2, num_kv_heads=2)).lower(
-                        lowering_platforms=("tpu",))
+                            sub_rows=12, num_tokens=T)
+    with pytest.raises(ValueError, match="sub_rows=24"):
+        lower_for_tpu("TPU v5 lite", "bfloat16", sub_rows=24)
 
 
 def test_tpu_block_table_larger_than_smem_is_rejected() -> None:
+    base = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
+                num_kv_pages_per_block=16, sub_rows=512, num_tokens=T)
     with pytest.raises(ValueError, match="max_num_seqs=256 x pages_per_seq=2048"):
-        validate_tpu_tiling(num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
-                            max_num_seqs=256, pages_per_seq=2048, num_kv_pages_per_block=16,
-                            num_queries_per_block=16)
-    validate_tpu_tiling(num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
-                        max_num_seqs=256, pages_per_seq=512, num_kv_pages_per_block=16,
-                        num_queries_per_block=16)
+        validate_tpu_tiling(max_num_seqs=256, pages_per_seq=2048, **base)
+    validate_tpu_tiling(max_num_seqs=256, pages_per_seq=512, **base)
 
 
-def test_tpu_tiles_over_vmem_and_unaligned_pages_are_rejected() -> None:
+def test_tpu_steps_over_vmem_and_unaligned_pages_are_rejected() -> None:
     base = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, max_num_seqs=R, pages_per_seq=P,
-                num_queries_per_block=16)
-    with pytest.raises(ValueError, match="num_kv_pages_per_block=32"):
-        validate_tpu_tiling(block_size=256, num_kv_pages_per_block=32, **base)
-    validate_tpu_tiling(block_size=256, num_kv_pages_per_block=32, vmem_limit_bytes=64 << 20,
-                        **base)
+                num_kv_pages_per_block=4, sub_rows=512, block_size=128, kv_dtype="bfloat16",
+                q_dtype="bfloat16")
+    validate_tpu_tiling(num_tokens=4096, **base)  # the v6e preset's largest step
+    with pytest.raises(ValueError, match="num_tokens=16384"):
+        validate_tpu_tiling(num_tokens=16384, **base)
+    validate_tpu_tiling(num_tokens=16384, vmem_limit_bytes=256 << 20, **base)
     with pytest.raises(ValueError, match="block_size=8"):
-        validate_tpu_tiling(block_size=8, num_kv_pages_per_block=16, kv_dtype="bfloat16", **base)
+        validate_tpu_tiling(num_tokens=T, **(base | {"block_size": 8}))
 
 
 @pytest.mark.parametrize(("field", "overrides"), [
@@ -116,12 +106,11 @@ def test_gpu_tiles_triton_cannot_take_are_rejected(field: str, overrides: dict[s
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 512])
 def test_default_tiles_pass_their_own_checks(group: int, block_size: int, num_tokens: int) -> None:
     for dtype in ("float32", "bfloat16"):
-        pages, queries = default_tpu_tiles(group=group, block_size=block_size,
-                                           num_tokens=num_tokens, q_dtype=dtype)
+        pages, sub_rows = default_tpu_tiles(block_size=block_size)
         validate_tpu_tiling(num_q_heads=2 * group, num_kv_heads=2, head_dim=128,
                             block_size=block_size, max_num_seqs=128, pages_per_seq=64,
-                            num_kv_pages_per_block=pages, num_queries_per_block=queries,
-                            q_dtype=dtype, kv_dtype=dtype)
+                            num_kv_pages_per_block=pages, sub_rows=sub_rows,
+                            num_tokens=num_tokens, q_dtype=dtype, kv_dtype=dtype)
     pages, queries = default_gpu_tiles(group=group, block_size=block_size, num_tokens=num_tokens)
     validate_gpu_tiling(num_q_heads=2 * group, num_kv_heads=2, head_dim=128,
                         block_size=block_size, num_kv_pages_per_block=pages,

@@ -1,6 +1,7 @@
 """Interpret-mode numerics of the TPU and GPU ragged paged-attention kernels, and the `cpu`
 backend's native kernel, against the `xla` backend (pallas_kernels/xla_attention.py,
-itself checked against the plain oracle).
+itself checked against the plain oracle); and the TPU kernel's fused KV write against the `xla`
+backend's scatter, bit for bit.
 
 Every (kernel, config) pair compiles once: shapes are fixed per config and hypothesis varies only
 the data (query/KV lengths, which blocks are shared, padding). Tolerances, max |kernel - ref| over
@@ -26,7 +27,9 @@ from pallas_kernels import (
     ragged_paged_attention_gpu,
     ragged_paged_attention_tpu,
     ragged_paged_attention_xla,
+    write_kv,
 )
+from pallas_kernels.ragged_paged_attention_tpu import write_and_attend
 from pallas_kernels.cpu_paged_attention import ragged_paged_attention as ragged_paged_attention_cpu
 
 NUM_TOKENS = 40  # padded T: real rows first, then rows that belong to no request
@@ -59,7 +62,7 @@ class Config:
 
 CONFIGS = {
     "f32-d64-g1": Config("float32", 64, 2, 2,
-                         tpu_tiles=(("num_kv_pages_per_block", 2), ("num_queries_per_block", 8)),
+                         tpu_tiles=(("num_kv_pages_per_block", 2), ("sub_rows", 16)),
                          gpu_tiles=(("num_kv_pages_per_block", 1), ("num_queries_per_block", 16))),
     "f32-d128-g2-window": Config("float32", 128, 4, 2, sliding_window=24),
     "bf16-d128-g4-softcap": Config("bfloat16", 128, 4, 1, soft_cap=20.0,
@@ -185,6 +188,46 @@ def check_against_reference(kernel: str, name: str, cfg: Config, batch: Batch) -
     assert bool(jnp.all(jnp.isfinite(out))), "padding rows or requests produced NaN/inf"
     err = max_error(out, ref, inputs.num_real_tokens, cfg.dtype)
     assert err <= TOLERANCE[cfg.dtype][0], f"{kernel} {name}: error {err} over tolerance"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(batch=DECODE_ONLY)
+@example(batch=MIXED)
+@example(batch=VERIFY)
+@given(batch=ragged_batches())
+def test_fused_write_stores_what_the_scatter_does_and_attends_after_it(name: str,
+                                                                       batch: Batch) -> None:
+    """write_and_attend = the xla backend's write_kv, then its attention. Requests own the
+    blocks their new rows land in (a prefix shared with another request is full: the scheduler
+    never writes into a shared block)."""
+    cfg = CONFIGS[name]
+    reqs, seed = batch
+    inputs = make_inputs(cfg, (tuple((q, kv, False) for q, kv, _ in reqs), seed))
+    q, k_cache, v_cache, layer, seq_lens, tables, qsl = inputs.args
+    rng = np.random.default_rng(seed + 1)
+    k, v = (jnp.asarray(rng.standard_normal((NUM_TOKENS, cfg.num_kv_heads, cfg.head_dim)),
+                        cfg.dtype) for _ in "kv")
+    n = inputs.num_real_tokens
+    slots = []
+    for r, (q_len, kv_len, _) in enumerate(reqs):
+        for pos in range(kv_len - q_len, kv_len):
+            slots.append(int(tables[r, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
+    want_k, want_v = write_kv(k_cache, v_cache, layer, k[:n], v[:n], jnp.asarray(slots, jnp.int32))
+    want = compiled("reference", name)(q, want_k, want_v, layer, seq_lens, tables, qsl)
+    out, got_k, got_v = fused(name)(q, k, v, k_cache, v_cache, layer, seq_lens, tables, qsl)
+    np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    err = max_error(out, want, n, cfg.dtype)
+    assert err <= TOLERANCE[cfg.dtype][0], f"{name}: error {err} over tolerance"
+
+
+@functools.cache
+def fused(name: str) -> Callable[..., tuple[jax.Array, ...]]:
+    cfg = CONFIGS[name]
+    return jax.jit(functools.partial(
+        write_and_attend, sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
+        soft_cap=cfg.soft_cap, interpret=True, **dict(cfg.tpu_tiles)))
 
 
 @pytest.mark.parametrize(("kernel", "name"), [(k, "f32-d64-g1") for k in KERNELS]

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 TPU_PYTHON = REPO / ".venv-tpu" / "bin" / "python"
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2")
 GOOD = ("mixed-f32", "mixed-bf16", "mixed-f32-d64-window-softcap", "mixed-bf16-bs128-gqa4")
-BAD = ("misaligned-query-tile", "oversized-kv-tile", "block-table-over-smem")
+BAD = ("rows-over-vmem", "block-table-over-smem")
 
 
 @pytest.mark.slow

@@ -38,6 +38,24 @@ def test_greedy_tokens_equal_single_device(gqa8, compile_cache_dir, tp, dp, back
     assert_no_leaks(llm.engine)
 
 
+@pytest.mark.parametrize("tp,backend", [(4, "xla"), (2, "pallas_interpret")])
+def test_collective_matmul_steps_give_the_same_greedy_tokens(gqa8, compile_cache_dir, tp,
+                                                             backend):
+    """Steps of 32 tokens and more shard the residual stream by rows and overlap their
+    collectives with the matmuls (layers/collective_matmul.py): prefills run that way, decode
+    steps (16 tokens) the plain way, and the tokens are HF's."""
+    path, prompts, expected = gqa8
+    llm = LLM(str(path), tensor_parallel_size=tp, attention_backend=backend,
+              collective_matmul_min_tokens=32, compilation_cache_dir=compile_cache_dir,
+              **(SMALL_ENGINE | FEW_BUCKETS | {"token_buckets": [16, 128]}))
+    statics = llm.engine.core.executor.worker.runner.statics
+    assert statics.collective is not None and statics.collective.applies(128)
+    assert not statics.collective.applies(16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_no_leaks(llm.engine)
+
+
 @pytest.mark.parametrize("method, tp, dp", [
     pytest.param("layer_skip", 2, 2, marks=pytest.mark.full), ("draft_model", 2, 1),
     ("ngram", 2, 2)])
