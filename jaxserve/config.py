@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import difflib
+import json
+import logging
 import os
+import secrets
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -15,6 +18,8 @@ from jaxserve.disaggregation_config import DisaggregationConfig, normalize_disag
 from jaxserve.speculative_config import SpeculativeConfig, normalize_speculative
 from jaxserve.vllm_args import accept_vllm_args
 
+logger = logging.getLogger(__name__)
+
 # Where a checkpoint's weights come from (models/loader.py dispatches on it).
 LOAD_FORMATS = ("auto", "hf", "gguf", "llama2c", "orbax", "dummy")
 
@@ -24,9 +29,17 @@ class ModelConfig:
     model: str | None = None  # None: the small model that ships in the package
     tokenizer: str | None = None
     load_format: str = "auto"  # one of LOAD_FORMATS
-    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 elsewhere) | float32 | bfloat16
+    # auto (float32 on CPU, bfloat16 elsewhere) | float32 | bfloat16 | float16 (GPU, or the
+    # xla attention backend on CPU)
+    dtype: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    seed: int = 0
+    seed: int | None = 0  # None: a random seed, drawn once at start
+    # vLLM's: config.json entries to replace (a mapping, or JSON text), e.g.
+    # {"max_position_embeddings": 4096}; the checkpoint's weights must still fit
+    hf_overrides: dict[str, Any] | str | None = None
+    # vLLM's: "auto" takes the checkpoint's sampling defaults (generation_config.json, a GGUF's
+    # general.sampling.*) for requests that do not set them; "vllm" takes none.
+    generation_config: str = "auto"
     # Limits on one request (a larger value is a 400 at the server).
     max_logprobs: int = 20
     max_n: int = 64  # samples per request: each costs a sequence's compute and KV blocks
@@ -37,7 +50,9 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size (block 0 included); else from memory
     gpu_memory_utilization: float = 0.9  # share of accelerator memory for weights + KV
-    cpu_kv_cache_space_gib: float = 0.5  # KV budget on CPU, where no memory stats exist
+    # KV budget on CPU (where devices report no memory); None: a share of the host's available
+    # memory (executor/host_memory.py)
+    cpu_kv_cache_space_gib: float | None = None
     enable_prefix_caching: bool = True
     prefix_caching_hash_seed: int | None = None  # default: the engine seed
 
@@ -160,8 +175,19 @@ class EngineConfig:
         if s.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got "
                              f"{s.scheduling_policy!r}")
-        if m.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {m.dtype!r}")
+        if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got "
+                             f"{m.dtype!r}")
+        m.hf_overrides = _json_mapping("hf_overrides", m.hf_overrides)
+        if m.seed is None:
+            if p.num_processes not in (None, 1):
+                raise ValueError("seed=None draws a seed in each process; a multi-host engine "
+                                 "needs the same one everywhere: give seed")
+            m.seed = secrets.randbelow(2**31)
+            logger.info("seed=None: drew engine seed %d", m.seed)
+        if m.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got "
+                             f"{m.generation_config!r}")
         if m.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got "
                              f"{m.load_format!r}")
@@ -230,6 +256,17 @@ def check_engine_args(args: Mapping[str, Any], where: str = "") -> None:
         if not any(_TYPE_CHECKS[o](value) for o in options):
             raise ValueError(f"{label} must be {hint}, got {value!r} "
                              f"({type(value).__name__})")
+
+
+def _json_mapping(name: str, value: Any) -> dict[str, Any] | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping (or JSON object text), got {value!r}")
+    return value or None
 
 
 def _positive(section: Any, name: str) -> None:

@@ -20,6 +20,26 @@ MAX_STOP_STRINGS = 64  # each is searched in every new piece of text: the cost i
 MAX_STOP_CHARS = 4096  # summed over the stop strings
 
 
+# Entries of HF's generation_config.json that vLLM takes as sampling defaults
+# (generation_config="auto"); max_new_tokens is max_tokens here.
+GENERATION_CONFIG_SAMPLING = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
+                              "max_new_tokens")
+
+
+def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The SamplingParams fields a checkpoint's generation config sets."""
+    out = {k: generation_config[k] for k in GENERATION_CONFIG_SAMPLING
+           if generation_config.get(k) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    try:
+        SamplingParams(**out)
+    except ValueError as e:
+        raise ValueError(f"generation_config (the checkpoint's sampling defaults): {e}; "
+                         "generation_config='vllm' ignores them") from None
+    return out
+
+
 class RequestOutputKind(IntEnum):
     """What each streamed output holds (vLLM's values): everything so far, only what is new,
     or nothing until the request has finished."""

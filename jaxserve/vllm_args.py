@@ -24,12 +24,10 @@ NO_EFFECT = {
     "distributed_executor_backend": "one process drives all devices (SPMD)",
     "tokenizer_mode": "the checkpoint's tokenizer.json is used",
 }
-# Accepted only with the value that asks for nothing (vLLM's default, but for
-# generation_config: "vllm" there means no sampling defaults from the checkpoint, as here).
+# Accepted only with the value that asks for nothing (vLLM's default).
 ONLY_DEFAULT: dict[str, Any] = {
     "revision": None, "code_revision": None, "tokenizer_revision": None, "quantization": None,
     "kv_cache_dtype": "auto", "pipeline_parallel_size": 1, "cpu_offload_gb": 0,
-    "generation_config": "vllm",
 }
 _logged: set[str] = set()
 
@@ -46,11 +44,8 @@ def accept_vllm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
             if value != ONLY_DEFAULT[name]:
                 raise ValueError(f"{name}={value!r} is not supported by jaxserve (only "
                                  f"{ONLY_DEFAULT[name]!r})")
-        elif name == "dtype" and value in ("half", "float16"):
-            raise ValueError(f"dtype {value!r} is not supported: float16 is not implemented; "
-                             "use 'bfloat16' (the same size) or 'float32'")
-        elif name == "dtype" and value == "float":
-            out[name] = "float32"
+        elif name == "dtype" and value in ("float", "half"):
+            out[name] = {"float": "float32", "half": "float16"}[value]
         elif name != "data_parallel_size":
             out[name] = value
     if "data_parallel_size" in kwargs:  # vLLM's; on one host it is the local size

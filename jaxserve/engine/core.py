@@ -90,6 +90,7 @@ class EngineCore:
         self.model_config = built[0].model_config
         self.max_model_len = built[0].max_model_len
         self.tokenizer = built[0].tokenizer
+        self.generation_config = built[0].generation_config
         for b in built:
             check_pool_holds_a_sequence(b.num_kv_blocks, b.max_model_len,
                                         config.cache.block_size)

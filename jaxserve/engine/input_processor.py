@@ -31,13 +31,22 @@ def refuse_lora(lora_request: object | None) -> None:
                          "this engine serves only its base model")
 
 
+NO_TOKENIZER = ("prompt: this model has no tokenizer (its checkpoint carries none: a GGUF without "
+                "tokenizer.ggml.* metadata, a llama2.c .bin without tok*.bin beside it); pass "
+                "tokenizer= (an HF tokenizer directory, a GGUF or a llama2.c tokenizer file) or "
+                "prompt_token_ids")
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
                  block_size: int, root_hash: bytes, limits: ModelConfig,
                  eos_token_ids: Sequence[int] = (), structured_outputs: bool = True,
-                 prompt_logprobs: str | None = None):
+                 prompt_logprobs: str | None = None,
+                 default_params: SamplingParams | None = None):
         """`limits`: the engine's seed and per-request limits (max_logprobs, max_n).
-        `prompt_logprobs`: None where they are served, else why not."""
+        `prompt_logprobs`: None where they are served, else why not. `default_params`: a
+        request's without its own (the checkpoint's sampling defaults)."""
+        self.default_params = default_params or SamplingParams()
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -68,7 +77,7 @@ class InputProcessor:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+                raise ValueError(NO_TOKENIZER)
             self.check_prompt_chars(prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
@@ -141,7 +150,7 @@ class InputProcessor:
                 cache_salt: str | None = None, lora_request: object | None = None,
                 ) -> tuple[str | None, list[Request]]:
         refuse_lora(lora_request)
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.default_params
         self.check_params(params)
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise ValueError(f"priority must be an integer, got {priority!r}")

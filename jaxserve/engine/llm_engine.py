@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from jaxserve.config import EngineConfig
@@ -11,9 +12,12 @@ from jaxserve.engine.core import EngineCore, EngineStats
 from jaxserve.engine.input_processor import InputProcessor, PromptType
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.models.tokenizer import Tokenizer, load_hf_tokenizer
+from jaxserve.models.loader import load_tokenizer
+from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams, sampling_defaults
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -25,13 +29,15 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({self.core.max_model_len}) is more than the "
                              f"model's context (max_position_embeddings = {context})")
         self.tokenizer = _tokenizer(config, self.core.tokenizer, self.core.model_config)
+        self.sampling_defaults = _sampling_defaults(config, self.core.generation_config)
         self.input_processor = InputProcessor(
             self.tokenizer, self.core.model_config.vocab_size, self.core.max_model_len,
             config.cache.block_size, self.core.root_hash, config.model,
             self.core.model_config.eos_token_ids,
             # Its requests cross to the decode side (maybe another process) without a matcher.
             structured_outputs=config.parallel.disaggregation is None,
-            prompt_logprobs=_no_prompt_logprobs(config))
+            prompt_logprobs=_no_prompt_logprobs(config),
+            default_params=SamplingParams(**self.sampling_defaults))
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
@@ -98,18 +104,23 @@ def _no_prompt_logprobs(config: EngineConfig) -> str | None:
     return None
 
 
+def _sampling_defaults(config: EngineConfig, generation_config: dict[str, Any],
+                       ) -> dict[str, Any]:
+    """vLLM's generation_config: "auto" takes the checkpoint's sampling defaults, "vllm" none."""
+    if config.model.generation_config == "vllm":
+        return {}
+    defaults = sampling_defaults(generation_config)
+    if defaults:
+        logger.info("sampling defaults from the checkpoint's generation config: %s (for "
+                    "requests that do not set them; generation_config='vllm' ignores them)",
+                    defaults)
+    return defaults
+
+
 def _tokenizer(config: EngineConfig, own: Tokenizer | None, model: Any) -> Tokenizer | None:
-    """The checkpoint's tokenizer, or the one `tokenizer=` names (an HF tokenizer directory)."""
+    """The checkpoint's tokenizer, or the one `tokenizer=` names."""
     path = config.model.tokenizer
-    if path is None:
-        return own
-    tokenizer = load_hf_tokenizer(path, model)
-    if tokenizer is None:
-        raise ValueError(f"tokenizer: no tokenizer.json in {path!r}")
-    if tokenizer.vocab_size > model.vocab_size:
-        raise ValueError(f"tokenizer {path!r} has {tokenizer.vocab_size} tokens, more than "
-                         f"the model's vocab_size ({model.vocab_size})")
-    return tokenizer
+    return own if path is None else load_tokenizer(path, model)
 
 
 def make_engine_core(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:

@@ -11,40 +11,54 @@ import time
 from jaxserve.entrypoints.cli_args import (add_config_arg, add_engine_args, engine_kwargs,
                                            parse_with_config)
 
+# The CLI's own defaults: greedy, 64 tokens. The checkpoint's sampling defaults
+# (generation_config="auto") come over them, and the flags given over both.
+_CLI_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    g.add_argument("--n", type=int, default=1)
+    g = parser.add_argument_group("sampling (default: greedy, 64 tokens, or the checkpoint's "
+                                  "generation config)")
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--max-tokens", type=int, default=None)
+    g.add_argument("--sampling-seed", dest="sampling_seed", type=int, default=None,
+                   help="per-request seed")
+    g.add_argument("--n", type=int, default=None)
     g.add_argument("--stop", action="append", default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--ignore-eos", action="store_true", default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--presence-penalty", type=float, default=None)
+    g.add_argument("--frequency-penalty", type=float, default=None)
+
+
+_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "n", "stop",
+                   "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
-    params = SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, max_tokens=args.max_tokens, seed=args.sampling_seed, stop=args.stop,
-        ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     llm = LLM(args.model, **engine_kwargs(args, skip=("model",)))
+    given = {name: getattr(args, name) for name in _SAMPLING_FLAGS
+             if getattr(args, name) is not None}
+    params = SamplingParams(**_CLI_DEFAULTS | llm.engine.sampling_defaults | given,
+                            seed=args.sampling_seed)
     start = time.perf_counter()
-    outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    if args.chat:  # each prompt a user message, through the model's chat template
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
+                           use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     num_tokens = 0
-    for out in outputs:
+    for prompt, out in zip(args.prompts, outputs):
         for comp in out.outputs:
             num_tokens += len(comp.token_ids)
-            print(f"{out.prompt or ''}{comp.text}")
+            print(f"{prompt}\n{comp.text}" if args.chat else f"{prompt}{comp.text}")
             print("-" * 40)
     print(f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tok/s)",
           file=sys.stderr)
@@ -72,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--chat", action="store_true",
+                     help="send each prompt as a user message through the chat template")
     gen.add_argument("--model", default=None, help="checkpoint: HF dir, .gguf, llama2.c .bin, "
                      "converted dir (default: the small model shipped with jaxserve)")
     add_engine_args(gen, skip=("model",))

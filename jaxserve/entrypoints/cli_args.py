@@ -24,17 +24,25 @@ HELP = {
     "tokenizer": "an HF tokenizer directory to use instead of the checkpoint's own",
     "load_format": "how to read the weights: auto (from the path), hf, gguf, llama2c, orbax, "
                    "or dummy (random weights of the checkpoint's shapes)",
-    "dtype": "weights and activations: auto (float32 on CPU, bfloat16 elsewhere), float32 "
-             "or bfloat16",
+    "dtype": "weights and activations: auto (float32 on CPU, bfloat16 elsewhere), float32, "
+             "bfloat16, or float16/half (GPU; on CPU with --attention-backend xla)",
     "max_model_len": "longest sequence (prompt + output) a request may have; at most the "
                      "model's context",
     "seed": "engine seed: for sampling without a per-request seed, and the prefix-cache hash",
+    "hf_overrides": "config.json entries to replace, as JSON: {\"max_position_embeddings\": "
+                    "4096}",
+    "generation_config": "auto: requests that do not set temperature, top_p, top_k, min_p, "
+                         "repetition_penalty or max_tokens take the checkpoint's "
+                         "(generation_config.json, a GGUF's general.sampling.*); vllm: they "
+                         "take vLLM's defaults",
     "max_logprobs": "largest logprobs / prompt_logprobs a request may ask for",
     "max_n": "most samples (n) one request may ask for",
     "block_size": "tokens per KV-cache block (a power of two)",
     "num_kv_blocks": "KV-cache blocks in the pool, instead of sizing it from device memory",
     "gpu_memory_utilization": "share of accelerator memory for the weights and the KV cache",
-    "cpu_kv_cache_space_gib": "GiB of KV cache on CPU, where there are no memory statistics",
+    "cpu_kv_cache_space_gib": "GiB of KV cache on CPU (default: 10% of the host memory "
+                              "available at start, rounded down to a power of two of blocks, "
+                              "at most what max_num_seqs sequences of max_model_len hold)",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes already computed",
     "prefix_caching_hash_seed": "seed of the block hashes (default: the engine seed)",
     "max_num_seqs": "most requests running in one step",
@@ -90,7 +98,7 @@ VLLM_FLAG_TYPES: dict[str, type] = {
     "distributed_executor_backend": str, "tokenizer_mode": str, "revision": str,
     "code_revision": str, "tokenizer_revision": str, "quantization": str,
     "kv_cache_dtype": str, "pipeline_parallel_size": int, "cpu_offload_gb": float,
-    "data_parallel_size": int, "generation_config": str,
+    "data_parallel_size": int,
 }
 
 

@@ -28,21 +28,28 @@ def _tiles(text: str) -> dict[str, int]:
         raise argparse.ArgumentTypeError(f"expected NAME=N,NAME=N,..., got {text!r}") from None
 
 
-def _model_and_config(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The model's config (from its config.json; no weights read) and the engine config: the
-    preset's arguments, then the command line's."""
+def _model_path(args: argparse.Namespace) -> Path:
+    model = Path(args.model)
+    return model.parent if model.name == "config.json" else model
+
+
+def _engine_config(args: argparse.Namespace) -> Any:
+    """The engine config: the preset's arguments, then the command line's."""
     from jaxserve.config import EngineConfig
     from jaxserve.entrypoints.cli_args import engine_kwargs
-    from jaxserve.models.hf_loader import read_hf_config
 
-    model = Path(args.model)
-    cfg = read_hf_config(model.parent if model.is_file() else model)
-    if args.num_layers is not None:
-        cfg = cfg.replace(num_layers=args.num_layers)
     preset = yaml.safe_load(Path(args.config).read_text()) if args.config else None
     kwargs = (preset or {}) | engine_kwargs(args, skip=("model",)) | {
-        "model": str(model.parent if model.is_file() else model)}
-    return cfg, EngineConfig.from_kwargs(**kwargs)
+        "model": str(_model_path(args))}
+    return EngineConfig.from_kwargs(**kwargs)
+
+
+def _model_config(args: argparse.Namespace) -> Any:
+    """The model's config, no weights read (an HF directory or a GGUF)."""
+    from jaxserve.models.loader import read_model_config
+
+    cfg = read_model_config(_model_path(args))
+    return cfg if args.num_layers is None else cfg.replace(num_layers=args.num_layers)
 
 
 def cmd_compile_check(args: argparse.Namespace) -> int:
@@ -50,7 +57,7 @@ def cmd_compile_check(args: argparse.Namespace) -> int:
     from jaxserve.executor.compile_report import format_report
     from jaxserve.executor.targets import resolve_target
 
-    cfg, config = _model_and_config(args)
+    cfg, config = _model_config(args), _engine_config(args)
     report = compile_check.check(resolve_target(args.target), cfg, config, args.buckets,
                                  args.kv_write, args.dump_hlo, args.attention_tiles)
     print(format_report(report))
@@ -64,7 +71,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from jaxserve.executor.compiled_dir import read_manifest
     from jaxserve.executor.targets import resolve_target
 
-    cfg, config = _model_and_config(args)
+    config = _engine_config(args)
     start = time.perf_counter()
     if args.target is None:
         if args.num_layers is not None:
@@ -72,7 +79,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
                              "checkpoint as it is")
         out, n = aot.build_on_host(config, args.out)
     else:
-        out, n = aot.build_for_target(resolve_target(args.target), cfg, config, args.out)
+        out, n = aot.build_for_target(resolve_target(args.target), _model_config(args), config,
+                                      args.out)
     left = read_manifest(out)["left_for_the_device"]
     print(f"wrote {n} programs to {out} in {time.perf_counter() - start:.1f} s; serve with "
           f"--compiled-dir {out}", file=sys.stderr)
@@ -85,8 +93,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def _common(p: argparse.ArgumentParser) -> None:
     from jaxserve.entrypoints.cli_args import add_engine_args
 
-    p.add_argument("model", help="HF checkpoint directory or its config.json (compile-check and "
-                                 "deviceless targets read no weights)")
+    p.add_argument("model", help="checkpoint: an HF directory or its config.json, or a GGUF "
+                                 "(compile-check and deviceless targets read no weights); the "
+                                 "host build takes any the engine loads")
     p.add_argument("--config", default=None, help="engine preset YAML (configs/engine/)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="a shallower model of the same width (deviceless targets only)")

@@ -31,6 +31,11 @@ class LLM:
     def get_tokenizer(self):  # noqa: ANN201 (Tokenizer | None)
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams gets: vLLM's defaults with the checkpoint's
+        (generation_config="auto")."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 

@@ -12,12 +12,17 @@ from jaxserve.entrypoints.openai import API_KEY_ENV
 def cmd_serve(args: argparse.Namespace) -> int:
     # Imported here: FastAPI and uvicorn are the [serve] extra, and slow to import.
     from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.engine.input_processor import NO_TOKENIZER
     from jaxserve.entrypoints.openai.api_server import run_server
     from jaxserve.models.chat_template import load_chat_template
 
     chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     llm = AsyncLLM(args.model, max_queued_requests=args.max_queued_requests,
                    **engine_kwargs(args, skip=("model",)))
+    if llm.tokenizer is None:  # every completion and chat would be a 400
+        llm.shutdown()
+        raise ValueError(f"{args.model}: {NO_TOKENIZER.removeprefix('prompt: ')}; the server "
+                         "needs one to read prompts")
     limits = {name: getattr(args, name) for name in ("max_body_bytes", "read_timeout_s")
               if getattr(args, name) is not None}  # else the server's defaults
     return run_server(llm, args.served_model_name or [args.model or "jaxserve-default"],

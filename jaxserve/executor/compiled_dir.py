@@ -115,23 +115,55 @@ def save(directory: str | Path, programs: dict[Any, Any], fp: dict[str, Any],
     return directory
 
 
-def load(directory: str | Path, fp: dict[str, Any], devices: list[Any]) -> dict[Any, Any]:
-    """The directory's programs, loaded onto `devices` (one rank's mesh, in order), if it was
-    built for exactly this engine; else CompiledDirError naming what differs or is damaged."""
+class LoadedPrograms:
+    """The programs of a directory by key, each deserialised onto the devices on first use: a
+    directory holds every bucket's programs, and a start needs a few (a 30-layer step program
+    takes about a second to load)."""
+
+    def __init__(self, payloads: dict[Any, tuple[bytes, Any, Any]], devices: list[Any]) -> None:
+        self._payloads = payloads
+        self._devices = devices
+        self._loaded: dict[Any, Any] = {}
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._payloads
+
+    def __len__(self) -> int:
+        return len(self._payloads)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key not in self._payloads:
+            return default
+        if key not in self._loaded:
+            payload, in_tree, out_tree = self._payloads[key]
+            self._loaded[key] = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=self._devices)
+        return self._loaded[key]
+
+    def pop(self, key: Any, default: Any = None) -> Any:
+        program = self.get(key, default)
+        self._payloads.pop(key, None)
+        self._loaded.pop(key, None)
+        return program
+
+
+def load(directory: str | Path, fp: dict[str, Any], devices: list[Any]) -> LoadedPrograms:
+    """The directory's programs, for `devices` (one rank's mesh, in order), if it was built for
+    exactly this engine and every file is whole; else CompiledDirError naming what differs or
+    is damaged."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     diffs = _differences(manifest["fingerprint"], fp)
     if diffs:
         raise CompiledDirError(f"compiled_dir {directory.name} was built for another engine: "
                                + "; ".join(diffs[:5]))
-    programs = {}
+    payloads = {}
     for entry in manifest["programs"]:
         path = directory / entry["file"]
         blob = path.read_bytes() if path.is_file() else b""
         if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
             raise CompiledDirError(f"compiled_dir: {entry['file']} is missing, truncated or "
                                    "corrupt (sha256 differs from the manifest)")
-        key, payload, in_tree, out_tree = pickle.loads(blob)  # noqa: S301 - hash-checked
-        programs[key] = serialize_executable.deserialize_and_load(
-            payload, in_tree, out_tree, execution_devices=devices)
-    return programs
+        key, *payload = pickle.loads(blob)  # noqa: S301 - hash-checked
+        payloads[key] = tuple(payload)
+    return LoadedPrograms(payloads, devices)

@@ -16,7 +16,7 @@ from jaxserve.executor.mesh import initialize_distributed, rank_meshes
 from jaxserve.executor.model_runner import PendingStep, UnexpectedCompilationError
 from jaxserve.executor.worker import BuiltWorker, Worker, restores_sharded
 from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.models.loader import load_model
+from jaxserve.models.loader import load_configured
 
 
 class Executor:
@@ -25,7 +25,7 @@ class Executor:
         initialize_distributed(config.parallel)
         m = config.model
         if loaded is None and not restores_sharded(config):
-            loaded = load_model(m.model, m.load_format, seed=m.seed)
+            loaded = load_configured(m)
         draft = load_draft(config)
         self.workers = [Worker(config, loaded, mesh, draft) for mesh in rank_meshes(
             config.parallel, select_devices(config.parallel.devices))]

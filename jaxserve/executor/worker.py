@@ -3,6 +3,7 @@ cache, builds the model runner."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -13,15 +14,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compiled_dir import KV_INIT
-from jaxserve.executor.draft_model import FIELD as DRAFT_FIELD, load_draft, place_draft
-from jaxserve.executor.huge_pages import collapse_in_background
 from jaxserve.executor.device_memory import plan
+from jaxserve.executor.draft_model import FIELD as DRAFT_FIELD, load_draft, place_draft
+from jaxserve.executor.host_memory import CPU_KV_MEMORY_FRACTION, available_host_bytes
+from jaxserve.executor.huge_pages import collapse_in_background
 from jaxserve.executor.mesh import rank_meshes
 from jaxserve.executor.model_runner import ModelRunner, PendingStep, dtype_of
 from jaxserve.executor.sharding import (
@@ -44,7 +47,7 @@ from jaxserve.models.checkpoint_io import load_converted, read_converted_config
 from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
-from jaxserve.models.loader import load_model
+from jaxserve.models.loader import load_configured, with_hf_overrides
 from jaxserve.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,19 @@ def restores_sharded(config: EngineConfig) -> bool:
     return tp <= cfg.num_kv_heads and cfg.vocab_size % tp == 0
 
 
+def check_float16(dtype: Any, backend: AttentionBackend, platform: str) -> None:
+    """float16 where the backend computes in it: GPU, and XLA's attention on CPU."""
+    if jnp.dtype(dtype) != jnp.float16:
+        return
+    if platform == "tpu":
+        raise ValueError("dtype 'float16' is not supported on TPU (it has no float16 "
+                         "arithmetic); use dtype='bfloat16' (the same size) or 'float32'")
+    if backend.name == "cpu":
+        raise ValueError("dtype 'float16': the cpu attention backend (attention_backend="
+                         "'auto' on CPU) takes float32 or bfloat16; use dtype='bfloat16' or "
+                         "'float32', or attention_backend='xla' to compute in float16")
+
+
 @dataclass(frozen=True)
 class BuiltWorker:
     """What a worker built, which the engine sizes its scheduler by."""
@@ -77,6 +93,7 @@ class BuiltWorker:
     max_model_len: int
     model_config: LlamaConfig  # as placed (KV heads expanded for TP)
     tokenizer: Tokenizer | None  # the checkpoint's
+    generation_config: dict[str, Any]  # the checkpoint's (LoadedModel.generation_config)
 
 
 class Worker:
@@ -90,11 +107,18 @@ class Worker:
         self.mesh = mesh or rank_meshes(config.parallel)[0]
         self.dtype = dtype_of(m.dtype)
         restored = loaded is None and restores_sharded(config)
+        device = self.mesh.devices.flat[0]
+        host_placed = self.mesh.size == 1 and device.process_index == jax.process_index()
         if restored:
             self.loaded = self._restore_sharded(m.model)  # params already on their devices
             cfg, placed = self.loaded.config, self.loaded.params
+        elif host_placed:
+            # Host arrays: the model slices, packs and places them on this process's one device
+            # itself (under default_device below), with no jax operation to compile at start.
+            self.loaded = loaded or load_configured(m)
+            cfg, placed = self.loaded.config, self.loaded.params
         else:
-            self.loaded = loaded or load_model(m.model, m.load_format, seed=m.seed)
+            self.loaded = loaded or load_configured(m)
             cfg, placed = shard_params(self.loaded.config, self.loaded.params, self.mesh,
                                        self.dtype)
         self.model_config = cfg
@@ -102,10 +126,15 @@ class Worker:
         platform = self.mesh.devices.flat[0].platform
         backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh,
                                         decode_rows=1 + num_speculative_tokens(config))
+        check_float16(self.dtype, backend, platform)
         native_matmul = uses_native_matmul(backend.name, self.mesh.size, self.dtype)
-        self.model = Llama(cfg, placed, self.dtype,
-                           scan_layers=config.runner.scans_layers(platform),
-                           native_matmul=native_matmul, max_positions=self.max_model_len)
+        with jax.default_device(device) if host_placed else contextlib.nullcontext():
+            self.model = Llama(cfg, placed, self.dtype,
+                               scan_layers=config.runner.scans_layers(platform),
+                               native_matmul=native_matmul, max_positions=self.max_model_len)
+        if host_placed:  # the mesh's sharding, as the sharded path's (no copy: one device)
+            nnx.update(self.model, jax.device_put(nnx.state(self.model),
+                                                  NamedSharding(self.mesh, PartitionSpec())))
         # The model holds the arrays it needs. The loader's stay out of reach: on CPU they would
         # be a second copy of every weight for as long as the engine runs.
         self.loaded = dataclasses.replace(self.loaded, params={})
@@ -150,7 +179,7 @@ class Worker:
     @property
     def built(self) -> BuiltWorker:
         return BuiltWorker(self.num_blocks, self.max_model_len, self.model_config,
-                           self.loaded.tokenizer)
+                           self.loaded.tokenizer, self.loaded.generation_config)
 
     @property
     def kv_init(self) -> Any:
@@ -177,7 +206,7 @@ class Worker:
             max_model_len=self.max_model_len,
             draft=None if self.draft is None else self.draft.cfg)
 
-    def _load_compiled(self, directory: str) -> dict[Any, Any]:
+    def _load_compiled(self, directory: str) -> compiled_dir.LoadedPrograms | dict[Any, Any]:
         """A directory built for another engine: an error in strict mode, else a warning and
         a normal compile."""
         try:
@@ -191,16 +220,20 @@ class Worker:
     def _restore_sharded(self, path: str) -> LoadedModel:
         """orbax reads each device's shard straight onto it: no full copy on any device."""
         cfg = read_converted_config(path)
+        if self.config.model.hf_overrides:
+            cfg = cfg.with_hf_overrides(self.config.model.hf_overrides)
         validate_tensor_parallel(cfg, self.mesh.shape[AXIS])
         target = {name: jax.ShapeDtypeStruct(shape, self.dtype,
                                              sharding=param_sharding(self.mesh, name, shape))
                   for name, shape in param_shapes(cfg).items()}
-        return load_converted(path, target)
+        return with_hf_overrides(load_converted(path, target), self.config.model.hf_overrides)
 
     def _num_kv_blocks(self, backend: AttentionBackend) -> int:
         """On TPU/GPU: the memory share left after the weights (in use now) and the largest
-        step's temporaries, as the compiler reports them. On CPU: cpu_kv_cache_space_gib. A
-        block's bytes are both caches' with a draft model."""
+        step's temporaries, as the compiler reports them. On CPU: cpu_kv_cache_space_gib, or
+        CPU_KV_MEMORY_FRACTION of the host memory available now (the weights are placed),
+        rounded down to a power of two of blocks, at most what max_num_seqs sequences of
+        max_model_len hold. A block's bytes are both caches' with a draft model."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
@@ -215,6 +248,7 @@ class Worker:
                         for cfg in self.model_configs) // tp  # per device: its KV heads
         device = self.mesh.devices.flat[0]
         stats = device.memory_stats() or {}
+        blocks_per_seq = -(-self.max_model_len // cache.block_size)
         if "bytes_limit" in stats:  # one extra compile at start, like vLLM's profile run
             step = largest_step_bytes(
                 ModelParts.of(self.model), self.config, backend, self.max_model_len,
@@ -222,9 +256,14 @@ class Worker:
             num_blocks = kv_blocks_for(
                 plan(device.platform, stats["bytes_limit"], cache.gpu_memory_utilization),
                 stats.get("bytes_in_use", 0), step, per_block)
-        else:
+        elif cache.cpu_kv_cache_space_gib is not None:
             num_blocks = int(cache.cpu_kv_cache_space_gib * 2**30 // per_block)
-        blocks_per_seq = -(-self.max_model_len // cache.block_size)
+        else:
+            share = int(CPU_KV_MEMORY_FRACTION * available_host_bytes() // per_block)
+            # A power of two: the step programs take the pool's shape, and one that moved with
+            # the free memory would miss the persistent compilation cache at every start.
+            share = 1 << (share.bit_length() - 1) if share else 0
+            num_blocks = min(share, self.config.scheduler.max_num_seqs * blocks_per_seq + 1)
         if num_blocks < blocks_per_seq + 1:
             raise ValueError(f"KV cache budget holds {num_blocks} blocks of {per_block} bytes, "
                              f"fewer than one max_model_len sequence needs ({blocks_per_seq} + 1); "

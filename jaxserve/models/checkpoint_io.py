@@ -1,15 +1,15 @@
 """Converted checkpoints: canonical params through orbax, the LlamaConfig as JSON, and the
-tokenizer (HF files copied, a SentencePiece vocab as JSON).
+tokenizer's HF files.
 
 Layout of `dst/`: `jaxserve_config.json`, `params/` (orbax StandardCheckpointer),
-`tokenizer/` (`tokenizer.json` ... or `sentencepiece.json`).
+`tokenizer/` (`tokenizer.json` ...; `sentencepiece.json` in directories written before
+tokenizers built from GGUF or llama2.c vocabularies became HF ones).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,8 @@ import numpy as np
 
 from jaxserve.models.llama_config import LlamaConfig, check_params
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel, read_json
-from jaxserve.models.sentencepiece_tokenizer import SentencePieceTokenizer
-from jaxserve.models.tokenizer import HF_TOKENIZER_FILES, HFTokenizer, Tokenizer, load_hf_tokenizer
+from jaxserve.models.tokenizer import HFTokenizer, Tokenizer, load_hf_tokenizer
+from jaxserve.models.tokenizer_builders import SPACE, sentencepiece_bpe
 
 FORMAT_VERSION = 1
 SENTENCEPIECE_FILE = "sentencepiece.json"
@@ -48,20 +48,19 @@ def config_from_dict(d: dict[str, Any], source: str) -> LlamaConfig:
 
 
 def _save_tokenizer(tokenizer: Tokenizer, dst: Path) -> None:
-    dst.mkdir()
-    if isinstance(tokenizer, HFTokenizer):
-        for name in HF_TOKENIZER_FILES:
-            if (tokenizer.directory / name).is_file():
-                shutil.copy2(tokenizer.directory / name, dst / name)
-    elif isinstance(tokenizer, SentencePieceTokenizer):
-        (dst / SENTENCEPIECE_FILE).write_text(json.dumps(tokenizer.to_dict(), ensure_ascii=False))
-    else:
+    if not isinstance(tokenizer, HFTokenizer):
         raise ValueError(f"cannot save a tokenizer of type {type(tokenizer).__name__}")
+    dst.mkdir()
+    tokenizer.save(dst)
 
 
 def _load_tokenizer(src: Path, config: LlamaConfig) -> Tokenizer | None:
     if (src / SENTENCEPIECE_FILE).is_file():
-        return SentencePieceTokenizer.from_dict(read_json(src / SENTENCEPIECE_FILE))
+        d = read_json(src / SENTENCEPIECE_FILE)
+        tok = sentencepiece_bpe([p.replace(" ", SPACE) for p in d["pieces"]], d["scores"],
+                                d["token_types"], unk_id=d["unk_token_id"])
+        return HFTokenizer(tok, {"add_bos_token": d["bos_token_id"] is not None},
+                           bos_token_id=d["bos_token_id"], eos_token_id=d["eos_token_id"])
     return load_hf_tokenizer(src, config)
 
 
@@ -80,7 +79,8 @@ def save_converted(loaded: LoadedModel, dst: str | Path) -> Path:
         _save_tokenizer(loaded.tokenizer, dst / "tokenizer")
     # Written last: its presence marks a complete converted checkpoint.
     (dst / CONVERTED_CONFIG_FILE).write_text(json.dumps(
-        {"format_version": FORMAT_VERSION, "config": config_to_dict(loaded.config)}, indent=1))
+        {"format_version": FORMAT_VERSION, "config": config_to_dict(loaded.config),
+         "generation_config": loaded.generation_config}, indent=1))
     return dst
 
 
@@ -112,4 +112,6 @@ def load_converted(path: str | Path, target: dict[str, Any] | None = None) -> Lo
     check_params(config, params, str(path))
     tok_dir = path / "tokenizer"
     tokenizer = _load_tokenizer(tok_dir, config) if tok_dir.is_dir() else None
-    return LoadedModel(config=config, params=dict(params), tokenizer=tokenizer)
+    generation = read_json(path / CONVERTED_CONFIG_FILE).get("generation_config") or {}
+    return LoadedModel(config=config, params=dict(params), tokenizer=tokenizer,
+                       generation_config=generation)

@@ -1,5 +1,5 @@
 """GGUF files (llama.cpp): metadata -> LlamaConfig, tensors dequantised to float32, and the
-embedded SentencePiece vocabulary."""
+embedded tokenizer."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.models.gguf_file import GGUFFile, GGUFTensor, read_gguf
+from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer, special_token_id
 from jaxserve.models.llama2c_loader import interleaved_to_half_split
 from jaxserve.models.llama_config import LlamaConfig, check_params, param_shapes
 from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.models.sentencepiece_tokenizer import SentencePieceTokenizer
 
 # GGUF general.architecture -> (HF architecture, q/k stored in interleaved RoPE order).
 # llama.cpp permutes q/k rows for "llama" (its NORM rope) and keeps HF order for the NEOX-rope
@@ -35,19 +36,20 @@ _GLOBAL_TENSORS = {"embed": "token_embd.weight", "final_norm": "output_norm.weig
 _LINEAR = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
 
 _MISSING = object()
+# general.sampling.* (the sampling a GGUF's maker recommends) -> HF generation_config names
+_SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "penalty_repeat": "repetition_penalty"}
 
 
-def _field(reader: Any, key: str, default: Any = _MISSING, *, path: Path) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        if default is _MISSING:
-            raise ValueError(f"{path}: GGUF metadata key {key!r} is missing")
-        return default
-    return field.contents()
+def _field(gguf: GGUFFile, key: str, default: Any = _MISSING, *, path: Path) -> Any:
+    value = gguf.get(key, default)
+    if value is _MISSING:
+        raise ValueError(f"{path}: GGUF metadata key {key!r} is missing")
+    return value
 
 
-def _int_field(reader: Any, key: str, default: Any = _MISSING, *, path: Path) -> int:
-    value = _field(reader, key, default, path=path)
+def _int_field(gguf: GGUFFile, key: str, default: Any = _MISSING, *, path: Path) -> int:
+    value = _field(gguf, key, default, path=path)
     if isinstance(value, list):  # per-layer values (llama.cpp allows them for some keys)
         if len(set(value)) != 1:
             raise ValueError(f"{path}: GGUF metadata {key!r} differs between layers ({value}); "
@@ -61,95 +63,70 @@ def _f32_value(value: float) -> float:
     return float(np.format_float_positional(np.float32(value)))
 
 
-def _dequantize(path: Path, tensor: Any) -> np.ndarray:
-    import gguf
+def _dequantize(path: Path, tensor: GGUFTensor) -> np.ndarray:
+    import gguf.quants
 
-    kind = tensor.tensor_type.name
+    kind = tensor.qtype.name
     if kind not in SUPPORTED_TYPES:
         raise ValueError(f"{path}: tensor {tensor.name!r} has unsupported GGUF type {kind}; "
                          f"supported: {', '.join(SUPPORTED_TYPES)}")
     # np.array copies: F32/F16 data would otherwise stay a view of the memory-mapped file.
-    data = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-    # GGUF lists dims fastest-first; numpy order is the reverse.
-    return data.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+    data = np.array(gguf.quants.dequantize(tensor.data, tensor.qtype), dtype=np.float32)
+    return data.reshape(tensor.shape)
 
 
-def read_gguf_config(reader: Any, path: Path, tensors: dict[str, Any]) -> LlamaConfig:
-    arch = _field(reader, "general.architecture", path=path)
+def read_gguf_config(gguf: GGUFFile, path: Path) -> LlamaConfig:
+    tensors = gguf.tensors
+    arch = _field(gguf, "general.architecture", path=path)
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; jaxserve supports "
                          f"{sorted(ARCHITECTURES)}")
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none", path=path)
+    scaling = _field(gguf, f"{arch}.rope.scaling.type", "none", path=path)
     if scaling != "none" or "rope_freqs.weight" in tensors:
         what = scaling if scaling != "none" else "rope_freqs (llama3)"
         raise ValueError(f"{path}: GGUF rope scaling {what!r} is not supported")
-    hidden = _int_field(reader, f"{arch}.embedding_length", path=path)
-    heads = _int_field(reader, f"{arch}.attention.head_count", path=path)
-    tokens = reader.get_field("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size", None, path=path)
+    hidden = _int_field(gguf, f"{arch}.embedding_length", path=path)
+    heads = _int_field(gguf, f"{arch}.attention.head_count", path=path)
+    tokens = gguf.get("tokenizer.ggml.tokens")
+    vocab = _field(gguf, f"{arch}.vocab_size", None, path=path)
     if vocab is None:
-        vocab = (len(tokens.data) if tokens is not None
-                 else int(tensors["token_embd.weight"].shape[1]))
+        vocab = len(tokens) if tokens is not None else tensors["token_embd.weight"].shape[0]
     output = tensors.get("output.weight")
     tied = output is None or (
-        output.tensor_type == tensors["token_embd.weight"].tensor_type
+        output.qtype == tensors["token_embd.weight"].qtype
         and np.array_equal(output.data, tensors["token_embd.weight"].data))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id", None, path=path)
+    # Generation ends at EOS and, as in llama.cpp, at end-of-turn / end-of-message tokens.
+    eos = [special_token_id(gguf, k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     hf_arch = ARCHITECTURES[arch][0]
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=_int_field(reader, f"{arch}.feed_forward_length", path=path),
-        num_layers=_int_field(reader, f"{arch}.block_count", path=path),
+        intermediate_size=_int_field(gguf, f"{arch}.feed_forward_length", path=path),
+        num_layers=_int_field(gguf, f"{arch}.block_count", path=path),
         num_heads=heads,
-        num_kv_heads=_int_field(reader, f"{arch}.attention.head_count_kv", heads, path=path),
-        head_dim=_int_field(reader, f"{arch}.attention.key_length", hidden // heads, path=path),
-        rms_norm_eps=_f32_value(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5,
+        num_kv_heads=_int_field(gguf, f"{arch}.attention.head_count_kv", heads, path=path),
+        head_dim=_int_field(gguf, f"{arch}.attention.key_length", hidden // heads, path=path),
+        rms_norm_eps=_f32_value(_field(gguf, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5,
                                        path=path)),
-        rope_theta=_f32_value(_field(reader, f"{arch}.rope.freq_base", 10000.0, path=path)),
-        max_position_embeddings=_int_field(reader, f"{arch}.context_length", 2048, path=path),
+        rope_theta=_f32_value(_field(gguf, f"{arch}.rope.freq_base", 10000.0, path=path)),
+        max_position_embeddings=_int_field(gguf, f"{arch}.context_length", 2048, path=path),
         tie_word_embeddings=tied,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm=hf_arch == "Qwen3ForCausalLM",
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", None, path=path),
-        eos_token_ids=() if eos is None else (int(eos),),
+        bos_token_id=special_token_id(gguf, "bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
         architecture=hf_arch,
     )
 
 
-def read_gguf_tokenizer(reader: Any, path: Path) -> SentencePieceTokenizer | None:
-    """The embedded vocabulary when it is SentencePiece-style ("llama"); None for others."""
-    if _field(reader, "tokenizer.ggml.model", None, path=path) != "llama":
-        return None
-    tokens = reader.get_field("tokenizer.ggml.tokens")
-    scores = reader.get_field("tokenizer.ggml.scores")
-    types = reader.get_field("tokenizer.ggml.token_type")
-    if tokens is None:
-        raise ValueError(f"{path}: GGUF metadata key 'tokenizer.ggml.tokens' is missing")
-
-    def special(key: str) -> int | None:
-        value = _field(reader, f"tokenizer.ggml.{key}", None, path=path)
-        return None if value is None or value >= len(tokens.data) else int(value)
-
-    return SentencePieceTokenizer.from_gguf_fields(
-        tokens.contents(), scores.contents() if scores is not None else None,
-        types.contents() if types is not None else None, bos_token_id=special("bos_token_id"),
-        eos_token_id=special("eos_token_id"), unk_token_id=special("unknown_token_id"))
-
-
 def load_gguf(path: str | Path) -> LoadedModel:
-    import gguf
-
     path = Path(path)
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # bad magic, truncated header or data (numpy reshape errors)
-        raise ValueError(f"{path}: cannot read GGUF file (corrupt or truncated?): {e}") from e
-    tensors = {t.name: t for t in reader.tensors}
+    gguf = read_gguf(path)
+    tensors = gguf.tensors
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path}: GGUF tensor 'token_embd.weight' is missing")
-    config = read_gguf_config(reader, path, tensors)
-    interleaved = ARCHITECTURES[_field(reader, "general.architecture", path=path)][1]
+    config = read_gguf_config(gguf, path)
+    interleaved = ARCHITECTURES[_field(gguf, "general.architecture", path=path)][1]
 
     def get(name: str, canonical: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in tensors:
@@ -182,4 +159,7 @@ def load_gguf(path: str | Path) -> LoadedModel:
         raise ValueError(f"{path}: unexpected GGUF tensors {unused[:5]}"
                          f"{' ...' if len(unused) > 5 else ''}")
     check_params(config, params, str(path))
-    return LoadedModel(config=config, params=params, tokenizer=read_gguf_tokenizer(reader, path))
+    generation = {hf: gguf.get(f"general.sampling.{key}") for key, hf in _SAMPLING_KEYS.items()
+                  if gguf.get(f"general.sampling.{key}") is not None}
+    return LoadedModel(config=config, params=params, tokenizer=read_gguf_tokenizer(gguf, path),
+                       generation_config=generation)

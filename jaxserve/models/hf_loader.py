@@ -41,6 +41,11 @@ _GLOBAL_TENSORS = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def read_generation_config(directory: Path) -> dict[str, Any]:
+    gen_file = directory / "generation_config.json"
+    return read_json(gen_file) if gen_file.is_file() else {}
+
+
 def read_hf_config(directory: Path) -> LlamaConfig:
     cfg: dict[str, Any] = read_json(directory / "config.json")
     if cfg.get("mlp_bias"):
@@ -49,11 +54,9 @@ def read_hf_config(directory: Path) -> LlamaConfig:
         config = LlamaConfig.from_hf_dict(cfg)
     except KeyError as e:
         raise ValueError(f"{directory}/config.json: missing key {e.args[0]!r}") from e
-    gen_file = directory / "generation_config.json"
-    if gen_file.is_file():
-        eos = read_json(gen_file).get("eos_token_id")
-        if eos is not None:
-            config = config.replace(eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
+    eos = read_generation_config(directory).get("eos_token_id")
+    if eos is not None:
+        config = config.replace(eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,))
     return config
 
 
@@ -143,4 +146,5 @@ def load_hf(directory: str | Path) -> LoadedModel:
     params = load_hf_params(directory, config)
     check_params(config, params, str(directory))
     tokenizer = load_hf_tokenizer(directory, config)
-    return LoadedModel(config=config, params=params, tokenizer=tokenizer)
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer,
+                       generation_config=read_generation_config(directory))

@@ -9,10 +9,12 @@ import numpy as np
 
 from jaxserve.models.llama_config import LlamaConfig, check_params
 from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.models.sentencepiece_tokenizer import SentencePieceTokenizer
+from jaxserve.models.tokenizer import HFTokenizer
+from jaxserve.models.tokenizer_builders import SPACE, infer_token_types, sentencepiece_bpe
 
 _HEADER = struct.Struct("<7i")
 _VERSIONED_MAGIC = 0x616B3432  # "ak42": llama2.c's later export versions, not handled here
+_UNK, _BOS, _EOS = 0, 1, 2  # llama2.c's SentencePiece ids
 
 
 def interleaved_to_half_split(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -35,6 +37,40 @@ def _find_tokenizer(model_path: Path, vocab_size: int) -> Path | None:
             return folder / name
     candidates = sorted(p for p in folder.glob("tok*.bin") if p != model_path)
     return candidates[0] if len(candidates) == 1 else None
+
+
+def read_llama2c_vocab(path: str | Path, vocab_size: int) -> tuple[list[str], list[float]]:
+    """A llama2.c tokenizer export: int32 max_token_length, then per token a float32 score, an
+    int32 byte length and the raw bytes (spaces as spaces). The file does not store the count."""
+    data = Path(path).read_bytes()
+    pieces: list[str] = []
+    scores: list[float] = []
+    offset = 4
+    try:
+        for _ in range(vocab_size):
+            score, length = struct.unpack_from("<fi", data, offset)
+            offset += 8
+            if length < 0 or offset + length > len(data):
+                raise struct.error(f"piece length {length}")
+            pieces.append(data[offset:offset + length].decode("utf-8"))
+            scores.append(score)
+            offset += length
+    except (struct.error, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: truncated or corrupt tokenizer file after {len(pieces)} of "
+                         f"{vocab_size} pieces ({e})") from e
+    if offset != len(data):
+        raise ValueError(f"{path}: {len(data) - offset} bytes left after {vocab_size} pieces; "
+                         "does the vocab size match the model?")
+    return pieces, scores
+
+
+def llama2c_tokenizer(path: str | Path, vocab_size: int) -> HFTokenizer:
+    """llama2.c's encode (a leading space, then best-score merges, byte fallback) and BOS."""
+    pieces, scores = read_llama2c_vocab(path, vocab_size)
+    types = infer_token_types(pieces, _UNK, (_BOS, _EOS))
+    tok = sentencepiece_bpe([p.replace(" ", SPACE) for p in pieces], scores, types,
+                            unk_id=_UNK)
+    return HFTokenizer(tok, {"add_bos_token": True}, bos_token_id=_BOS, eos_token_id=_EOS)
 
 
 def load_llama2c(path: str | Path) -> LoadedModel:
@@ -104,8 +140,8 @@ def load_llama2c(path: str | Path) -> LoadedModel:
         vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_layers=n_layers,
         num_heads=n_heads, num_kv_heads=n_kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
         rope_theta=10000.0, max_position_embeddings=seq_len, tie_word_embeddings=tied,
-        bos_token_id=1, eos_token_ids=(2,))
+        bos_token_id=_BOS, eos_token_ids=(_EOS,))
     check_params(config, params, str(path))
     tok_path = _find_tokenizer(path, vocab)
-    tokenizer = SentencePieceTokenizer.from_llama2c(tok_path, vocab) if tok_path else None
+    tokenizer = llama2c_tokenizer(tok_path, vocab) if tok_path else None
     return LoadedModel(config=config, params=params, tokenizer=tokenizer)

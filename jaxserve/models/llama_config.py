@@ -160,6 +160,33 @@ class LlamaConfig:
     def replace(self, **changes: Any) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json entries `from_hf_dict` reads back into this config."""
+        return {
+            "architectures": [self.architecture], "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias, "sliding_window": self.sliding_window,
+            "bos_token_id": self.bos_token_id, "eos_token_id": list(self.eos_token_ids),
+        }
+
+    def with_hf_overrides(self, overrides: dict[str, Any]) -> "LlamaConfig":
+        """vLLM's hf_overrides: config.json entries replaced, whatever the checkpoint format."""
+        hf = self.to_hf_dict()
+        unknown = sorted(set(overrides) - set(hf))
+        if unknown:
+            raise ValueError(f"hf_overrides: {unknown[0]!r} is not a config entry jaxserve "
+                             f"reads (it reads {', '.join(sorted(hf))})")
+        try:
+            return LlamaConfig.from_hf_dict(hf | overrides)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"hf_overrides: {e}") from None
+
 
 def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """The canonical weight dict every loader produces: layers stacked on axis 0, `x @ w` layout,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +21,8 @@ class LoadedModel:
     config: LlamaConfig
     params: dict[str, np.ndarray]
     tokenizer: Tokenizer | None
+    # HF generation_config.json's entries (from a GGUF: its general.sampling.* under HF names)
+    generation_config: dict[str, Any] = field(default_factory=dict)
 
 
 def read_json(path: Path) -> dict:

@@ -1,20 +1,24 @@
 """The one entry point for weights: `load_model(path, load_format)` -> config, canonical float32
-params (see `llama_config.param_shapes`) and the tokenizer."""
+params (see `llama_config.param_shapes`) and the tokenizer; and for a tokenizer named on its
+own, `load_tokenizer(path, config)`."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import LOAD_FORMATS
+from jaxserve.config import LOAD_FORMATS, ModelConfig
 from jaxserve.models.checkpoint_io import load_converted
-from jaxserve.models.gguf_loader import load_gguf
-from jaxserve.models.hf_loader import load_hf, read_hf_config
-from jaxserve.models.llama2c_loader import load_llama2c
+from jaxserve.models.gguf_file import read_gguf
+from jaxserve.models.gguf_loader import load_gguf, read_gguf_config
+from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
+from jaxserve.models.hf_loader import load_hf, read_generation_config, read_hf_config
+from jaxserve.models.llama2c_loader import llama2c_tokenizer, load_llama2c
 from jaxserve.models.llama_config import LlamaConfig, check_params, param_shapes
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
-from jaxserve.models.tokenizer import load_hf_tokenizer
+from jaxserve.models.tokenizer import Tokenizer, load_hf_tokenizer
 
 _NORMS = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
 
@@ -48,7 +52,7 @@ def dummy_params(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def _load_dummy(path: Path | None, config: LlamaConfig | None, seed: int) -> LoadedModel:
-    tokenizer = None
+    tokenizer, generation = None, {}
     if config is None:
         if path is None:
             raise ValueError("load_format 'dummy' needs dummy_config or a path with config.json")
@@ -58,13 +62,35 @@ def _load_dummy(path: Path | None, config: LlamaConfig | None, seed: int) -> Loa
         config = read_hf_config(config_file.parent)
     if path is not None and path.is_dir():
         tokenizer = load_hf_tokenizer(path, config)
+        generation = read_generation_config(path)
     params = dummy_params(config, seed)
     check_params(config, params, "dummy weights")
-    return LoadedModel(config=config, params=params, tokenizer=tokenizer)
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer,
+                       generation_config=generation)
+
+
+def with_hf_overrides(loaded: LoadedModel, overrides: dict | None) -> LoadedModel:
+    """The model with its config changed by vLLM's hf_overrides (its weights must still fit)."""
+    if not overrides:
+        return loaded
+    config = loaded.config.with_hf_overrides(overrides)
+    check_params(config, loaded.params, "hf_overrides")
+    return dataclasses.replace(loaded, config=config)
 
 
 def load_model(path: str | Path | None, load_format: str = "auto", *,
-               dummy_config: LlamaConfig | None = None, seed: int = 0) -> LoadedModel:
+               dummy_config: LlamaConfig | None = None, seed: int = 0,
+               hf_overrides: dict | None = None) -> LoadedModel:
+    return with_hf_overrides(_load(path, load_format, dummy_config, seed), hf_overrides)
+
+
+def load_configured(m: ModelConfig) -> LoadedModel:
+    """The checkpoint an engine's model config names, as it configures it."""
+    return load_model(m.model, m.load_format, seed=m.seed, hf_overrides=m.hf_overrides)
+
+
+def _load(path: str | Path | None, load_format: str, dummy_config: LlamaConfig | None,
+          seed: int) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     p = Path(path) if path not in (None, "") else None
@@ -80,3 +106,37 @@ def load_model(path: str | Path | None, load_format: str = "auto", *,
     loaders = {"hf": load_hf, "gguf": load_gguf, "llama2c": load_llama2c,
                "orbax": load_converted}
     return loaders[fmt](p)
+
+
+def read_model_config(path: str | Path) -> LlamaConfig:
+    """A checkpoint's config without its weights: an HF directory or a GGUF file."""
+    p = Path(path)
+    if p.suffix == ".gguf" and p.is_file():
+        return read_gguf_config(read_gguf(p), p)
+    if (p / "config.json").is_file():
+        return read_hf_config(p)
+    raise ValueError(f"{str(p)!r}: no config.json and not a GGUF file; the model's config is "
+                     "read from one of them")
+
+
+def load_tokenizer(path: str | Path, model: LlamaConfig) -> Tokenizer:
+    """`tokenizer=`: an HF tokenizer directory, a GGUF file's embedded tokenizer, or a llama2.c
+    tokenizer file (its pieces counted by the model's vocab_size)."""
+    p = Path(path)
+    if p.is_dir():
+        tokenizer = load_hf_tokenizer(p, model)
+        if tokenizer is None:
+            raise ValueError(f"tokenizer: no tokenizer.json in {str(p)!r}")
+    elif p.suffix == ".gguf":
+        tokenizer = read_gguf_tokenizer(read_gguf(p), p)
+        if tokenizer is None:
+            raise ValueError(f"tokenizer: the GGUF file {str(p)!r} has no tokenizer "
+                             "(no tokenizer.ggml.tokens)")
+    elif p.is_file():
+        tokenizer = llama2c_tokenizer(p, model.vocab_size)
+    else:
+        raise ValueError(f"tokenizer: {str(p)!r} does not exist")
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ValueError(f"tokenizer {str(p)!r} has {tokenizer.vocab_size} tokens, more than "
+                         f"the model's vocab_size ({model.vocab_size})")
+    return tokenizer

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tokenizers import Tokenizer as RustTokenizer
 
 from jaxserve.models.chat_template import render
 
@@ -128,44 +131,68 @@ def _special_token_content(value: Any) -> str | None:
 
 
 class HFTokenizer(Tokenizer):
-    """`tokenizer.json` through the `tokenizers` library; chat templates rendered with jinja2."""
+    """An HF `tokenizers` tokenizer (from `tokenizer.json`, or built in memory from a GGUF or
+    llama2.c vocabulary) with its `tokenizer_config.json` entries; chat templates rendered with
+    jinja2."""
 
-    def __init__(self, directory: str | Path, *, bos_token_id: int | None = None,
-                 eos_token_id: int | None = None) -> None:
-        from tokenizers import Tokenizer as _RustTokenizer
-
-        self.directory = Path(directory)
-        path = self.directory / "tokenizer.json"
-        try:
-            self._tok = _RustTokenizer.from_file(str(path))
-        except Exception as e:  # the Rust error says what is wrong with the JSON
-            raise ValueError(f"{path}: cannot load tokenizer: {e}") from e
-        config_path = self.directory / "tokenizer_config.json"
-        self._config: dict[str, Any] = (json.loads(config_path.read_text())
-                                        if config_path.exists() else {})
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    def __init__(self, tok: RustTokenizer, config: dict[str, Any] | None = None, *,
+                 bos_token_id: int | None = None, eos_token_id: int | None = None,
+                 directory: Path | None = None) -> None:
+        """`config`: tokenizer_config.json's `bos_token`, `eos_token`, `add_bos_token`,
+        `chat_template`; `directory`: where the files came from (copied on convert)."""
+        self._tok = tok
+        self._config = dict(config or {})
+        self.directory = directory
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.bos_token = _special_token_content(self._config.get("bos_token"))
         self.eos_token = _special_token_content(self._config.get("eos_token"))
         self.bos_token_id = self._token_id(self.bos_token, bos_token_id)
         self.eos_token_id = self._token_id(self.eos_token, eos_token_id)
         if self.bos_token is None and self.bos_token_id is not None:
-            self.bos_token = self._tok.id_to_token(self.bos_token_id)
+            self.bos_token = tok.id_to_token(self.bos_token_id)
         if self.eos_token is None and self.eos_token_id is not None:
-            self.eos_token = self._tok.id_to_token(self.eos_token_id)
+            self.eos_token = tok.id_to_token(self.eos_token_id)
         self.add_bos_token = bool(self._config.get("add_bos_token", False))
         self.chat_template = self._find_chat_template()
+
+    @classmethod
+    def from_directory(cls, directory: str | Path, *, bos_token_id: int | None = None,
+                       eos_token_id: int | None = None) -> HFTokenizer:
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        try:
+            tok = RustTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust error says what is wrong with the JSON
+            raise ValueError(f"{path}: cannot load tokenizer: {e}") from e
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        return cls(tok, config, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                   directory=directory)
+
+    def save(self, dst: Path) -> None:
+        """Into the empty directory `dst`: the files it was read from, or (built in memory)
+        `tokenizer.json` and `tokenizer_config.json`."""
+        if self.directory is not None:
+            for name in HF_TOKENIZER_FILES:
+                if (self.directory / name).is_file():
+                    shutil.copy2(self.directory / name, dst / name)
+            return
+        (dst / "tokenizer.json").write_text(self._tok.to_str())
+        config = self._config | {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        (dst / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
 
     def _token_id(self, token: str | None, fallback: int | None) -> int | None:
         token_id = self._tok.token_to_id(token) if token is not None else None
         return token_id if token_id is not None else fallback
 
     def _find_chat_template(self) -> str | None:
-        jinja_file = self.directory / "chat_template.jinja"
-        if jinja_file.exists():
-            return jinja_file.read_text()
-        json_file = self.directory / "chat_template.json"
-        if json_file.exists():
-            return json.loads(json_file.read_text()).get("chat_template")
+        if self.directory is not None:
+            jinja_file = self.directory / "chat_template.jinja"
+            if jinja_file.exists():
+                return jinja_file.read_text()
+            json_file = self.directory / "chat_template.json"
+            if json_file.exists():
+                return json.loads(json_file.read_text()).get("chat_template")
         template = self._config.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t["name"]: t["template"] for t in template}
@@ -197,5 +224,5 @@ def load_hf_tokenizer(directory: str | Path, model: LlamaConfig) -> HFTokenizer 
     or None when it has no `tokenizer.json`."""
     if not (Path(directory) / "tokenizer.json").exists():
         return None
-    return HFTokenizer(directory, bos_token_id=model.bos_token_id,
-                       eos_token_id=model.eos_token_id)
+    return HFTokenizer.from_directory(directory, bos_token_id=model.bos_token_id,
+                                      eos_token_id=model.eos_token_id)

@@ -13,18 +13,19 @@ import pytest
 
 from jaxserve.core.structured_output import StructuredOutputManager, grammar_bitmask
 from jaxserve.default_model import default_model_path
-from jaxserve.models.sentencepiece_tokenizer import SentencePieceTokenizer
-from jaxserve.models.tokenizer import load_hf_tokenizer
 from jaxserve.models.hf_loader import read_hf_config
+from jaxserve.models.tokenizer import HFTokenizer, load_hf_tokenizer
+from jaxserve.models.tokenizer_builders import infer_token_types, sentencepiece_bpe
 from jaxserve.sampling_params import StructuredOutputsParams
 
 
-def _sentencepiece() -> SentencePieceTokenizer:
+def _sentencepiece() -> HFTokenizer:
     words = ["hello", "wor", "ld", "12", "3", "{", "}", '"', ":", ",", "a", "b", "ab", "yes",
              "no", "\u2581the"]
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + words
-    return SentencePieceTokenizer(pieces, [0.0] * 3 + [0.0] * 256 + [-float(i) for i in
-                                                                       range(len(words))])
+    scores = [0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(len(words))]
+    tok = sentencepiece_bpe(pieces, scores, infer_token_types(pieces, 0, (1, 2)), unk_id=0)
+    return HFTokenizer(tok, {"add_bos_token": True}, bos_token_id=1, eos_token_id=2)
 
 
 @pytest.fixture(scope="module", params=["hf", "sentencepiece"])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +56,34 @@ def backend_compiles() -> Iterator[list[str]]:
         yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+FRESH_PROCESS = """
+import json, sys
+import jax
+events = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: events.append(event) if event == sys.argv[1] else None)
+from jaxserve import LLM, SamplingParams
+llm = LLM(sys.argv[2], compiled_dir=sys.argv[3], **json.loads(sys.argv[4]))
+out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=8,
+                   ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+print(json.dumps({"compiles": len(events), "tokens": list(out)}))
+"""
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_fresh_process_from_a_compiled_dir_compiles_nothing_strict_or_not(built, strict):
+    """In a new process (nothing compiled in memory before): not the steps, the KV pool's
+    zeros, nor anything placing the weights."""
+    path, out = built
+    args = ENGINE | {"strict_compile": strict, "precompile": strict}
+    run = subprocess.run([sys.executable, "-c", FRESH_PROCESS, COMPILE_EVENT, str(path),
+                          str(out), json.dumps(args)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"compiles": 0, "tokens": hf_greedy(path, [[5, 6, 7]], 8)[0]}
 
 
 def test_an_engine_from_a_compiled_dir_compiles_nothing_and_gives_the_same_tokens(built):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from engine_helpers import SMALL_ENGINE, hf_greedy, random_prompts
@@ -30,9 +32,15 @@ def test_greedy_matches_hf_generate_for_16_prompts(hf_checkpoint, compile_cache_
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
-@pytest.mark.parametrize("filename", ["stories260K.bin", "stories260K.gguf"])
-def test_stories260k_reproduces_its_golden(stories_dir, compile_cache_dir, filename):
-    llm = LLM(str(stories_dir / filename), compilation_cache_dir=compile_cache_dir,
+@pytest.mark.parametrize("filename", ["stories260K.bin", "stories260K.gguf", "alone/model.bin"])
+def test_stories260k_reproduces_its_golden(stories_dir, compile_cache_dir, tmp_path, filename):
+    """"alone": the llama2.c checkpoint in a folder of its own, its tokenizer file named."""
+    model, tokenizer = stories_dir / filename, None
+    if filename.startswith("alone"):
+        model, tokenizer = tmp_path / filename, str(stories_dir / "tok512.bin")
+        model.parent.mkdir()
+        shutil.copy(stories_dir / "stories260K.bin", model)
+    llm = LLM(str(model), tokenizer=tokenizer, compilation_cache_dir=compile_cache_dir,
               **SMALL_ENGINE)
     out = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=60))[0]
     assert out.prompt_token_ids + out.outputs[0].token_ids == GOLDEN

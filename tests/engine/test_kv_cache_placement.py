@@ -68,3 +68,31 @@ def test_decoding_keeps_the_kv_cache_in_place_on_huge_pages(llama, compile_cache
     for cache, address in zip((runner.k_cache, runner.v_cache), addresses, strict=True):
         assert cache.unsafe_buffer_pointer() == address
         assert huge_page_bytes_in(address, cache.nbytes) >= cache.nbytes // 2
+
+
+def test_cpu_pool_is_a_share_of_available_memory_capped_and_overridable(
+        llama, compile_cache_dir, monkeypatch) -> None:
+    from jaxserve.executor import worker
+    from jaxserve.executor.host_memory import CPU_KV_MEMORY_FRACTION, available_host_bytes
+    from jaxserve.models.llama import kv_cache_bytes_per_block
+
+    assert 0 < available_host_bytes() <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    args = {k: v for k, v in SMALL_ENGINE.items() if k != "num_kv_blocks"}
+
+    def blocks(available: int, **extra: object) -> int:
+        monkeypatch.setattr(worker, "available_host_bytes", lambda: available)
+        engine = LLMEngine.from_engine_args(model=str(llama), compilation_cache_dir=
+                                            compile_cache_dir, **args | extra)
+        return engine.stats().num_kv_blocks
+
+    cfg = LLMEngine.from_engine_args(model=str(llama), compilation_cache_dir=compile_cache_dir,
+                                     **SMALL_ENGINE).core.model_config
+    per_block = kv_cache_bytes_per_block(cfg, 16, jnp.float32)
+    share = int(CPU_KV_MEMORY_FRACTION * 1000)  # blocks; the pool takes a power of two
+    assert blocks(1000 * per_block) == 1 << (share.bit_length() - 1)
+    assert blocks(1100 * per_block) == blocks(1000 * per_block)  # stable as free memory moves
+    most = args["max_num_seqs"] * (args["max_model_len"] // 16) + 1  # every sequence full
+    assert blocks(10**6 * per_block) == most
+    assert blocks(1000 * per_block, cpu_kv_cache_space_gib=0.01) == int(0.01 * 2**30 // per_block)
+    with pytest.raises(ValueError, match="KV cache budget holds 4 blocks"):
+        blocks(50 * per_block)

@@ -33,8 +33,9 @@ def test_vllms_flags_parse_and_reach_the_engine_config(tmp_path: Path):
     assert (config.scheduler.max_num_seqs, config.parallel.data_parallel_size_local) == (8, 2)
     with pytest.raises(ValueError, match="quantization='awq' is not supported"):
         EngineConfig.from_kwargs(**serve_kwargs("--quantization", "awq"))
-    with pytest.raises(ValueError, match="generation_config='auto' is not supported"):
-        EngineConfig.from_kwargs(**serve_kwargs("--generation-config", "auto"))
+    assert config.model.generation_config == "vllm"
+    with pytest.raises(ValueError, match="generation_config must be 'auto' or 'vllm'"):
+        EngineConfig.from_kwargs(**serve_kwargs("--generation-config", "/some/dir"))
     with pytest.raises(ValueError, match="data_parallel_size .2. and data_parallel_size_local"):
         EngineConfig.from_kwargs(**serve_kwargs("-dp", "2", "--data-parallel-size-local", "1"))
 

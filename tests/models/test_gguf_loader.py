@@ -1,18 +1,22 @@
-"""GGUF loader: llama.cpp's tensor layout and types, written here with `gguf.GGUFWriter`."""
+"""GGUF loader: llama.cpp's tensor layout and types, and its embedded tokenizer, written here
+with `gguf.GGUFWriter`."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import json
 
 import gguf
 import ml_dtypes
 import numpy as np
 import pytest
 
-from hf_checkpoints import Factory
+from hf_checkpoints import CHAT_TEMPLATE, Factory
 from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.models.loader import load_model
+from jaxserve.models.loader import load_model, load_tokenizer
+from jaxserve.models.tokenizer import HFTokenizer
 
 Q = gguf.GGMLQuantizationType
 LAYER_NAMES = {
@@ -56,9 +60,25 @@ def gguf_tensors(loaded: LoadedModel, arch: str) -> dict[str, np.ndarray]:
 def write_gguf(path: Path, cfg: LlamaConfig, tensors: dict[str, np.ndarray], *,
                qtype: Q = Q.F32, arch: str | None = None,
                raw_override: dict[str, tuple[np.ndarray, Q]] | None = None,
-               kv_heads_per_layer: list[int] | None = None) -> Path:
+               kv_heads_per_layer: list[int] | None = None,
+               tokenizer: dict | None = None) -> Path:
+    """`tokenizer`: `tokenizer.ggml.*` values by short key (model, pre, tokens, merges,
+    token_type, bos/eos ids, add_bos_token) and `chat_template`."""
     arch = arch or GGUF_ARCH[cfg.architecture]
     writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (tokenizer or {}).items():
+        name = "tokenizer.chat_template" if key == "chat_template" else f"tokenizer.ggml.{key}"
+        if isinstance(value, list) and isinstance(value[0], str):
+            writer.add_array(name, value)
+        elif isinstance(value, list):  # token types: int32, as llama.cpp writes them
+            writer.add_key_value(name, value, gguf.GGUFValueType.ARRAY,
+                                 sub_type=gguf.GGUFValueType.INT32)
+        elif isinstance(value, bool):
+            writer.add_bool(name, value)
+        elif isinstance(value, int):
+            writer.add_uint32(name, value)
+        else:
+            writer.add_string(name, value)
     writer.add_block_count(cfg.num_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -198,3 +218,76 @@ def test_gguf_bad_files_give_clear_errors(hf_checkpoint: Factory, tmp_path: Path
     (tmp_path / "junk.gguf").write_bytes(b"GGML" + good[4:64])
     with pytest.raises(ValueError, match="junk.gguf"):
         load_model(tmp_path / "junk.gguf")
+
+
+def gpt2_tokenizer_metadata(hf_dir: Path) -> dict:
+    """The `tokenizer.ggml.*` values llama.cpp's converter writes for this byte-level BPE."""
+    model = json.loads((hf_dir / "tokenizer.json").read_text())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return {"model": "gpt2", "pre": "default", "tokens": tokens, "merges": merges,
+            "token_type": [3 if t in ("<s>", "</s>") else 1 for t in tokens],
+            "bos_token_id": 0, "eos_token_id": 1, "add_bos_token": True,
+            "chat_template": CHAT_TEMPLATE}
+
+
+TEXTS = ["Once upon a time", "Café 日本 🙂 robot", " leading space\nnew line", "2024: a<s>b"]
+
+
+def test_gguf_byte_level_tokenizer_matches_its_source_and_transformers(
+        hf_checkpoint: Factory, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    hf_dir = hf_checkpoint("llama")
+    hf = load_model(hf_dir)
+    path = write_gguf(tmp_path / "m.gguf", hf.config, gguf_tensors(hf, "llama"),
+                      tokenizer=gpt2_tokenizer_metadata(hf_dir))
+    ours = load_model(path).tokenizer
+    source = HFTokenizer.from_directory(hf_dir)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    assert isinstance(ours, HFTokenizer) and ours.vocab_size == source.vocab_size
+    assert (ours.bos_token_id, ours.eos_token_id, ours.bos_token, ours.eos_token) == (
+        0, 1, "<s>", "</s>")
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == \
+        source.apply_chat_template(messages, add_generation_prompt=True)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == source.encode(text) == theirs.encode(text)
+        assert ids[0] == 0  # add_bos_token
+        assert ours.decode(ids) == source.decode(ids) == text.replace("<s>", "")
+
+
+def test_gguf_tokenizer_bad_metadata_names_the_key(hf_checkpoint: Factory,
+                                                   tmp_path: Path) -> None:
+    hf_dir = hf_checkpoint("llama")
+    hf = load_model(hf_dir)
+    tensors, meta = gguf_tensors(hf, "llama"), gpt2_tokenizer_metadata(hf_dir)
+    cases = [("pre", meta | {"pre": "martian"}, "tokenizer.ggml.pre 'martian'"),
+             ("merges", {k: v for k, v in meta.items() if k != "merges"},
+              "tokenizer.ggml.merges"),
+             ("model", meta | {"model": "rwkv"}, "tokenizer.ggml.model 'rwkv'")]
+    for name, tok_meta, message in cases:
+        path = write_gguf(tmp_path / f"{name}.gguf", hf.config, tensors, tokenizer=tok_meta)
+        with pytest.raises(ValueError, match=message):
+            load_model(path)
+
+
+def test_tokenizer_override_takes_a_gguf_or_a_llama2c_file(
+        hf_checkpoint: Factory, stories_dir: Path, tmp_path: Path) -> None:
+    hf_dir = hf_checkpoint("llama")
+    hf = load_model(hf_dir)
+    bare = write_gguf(tmp_path / "bare.gguf", hf.config, gguf_tensors(hf, "llama"))
+    with_tok = write_gguf(tmp_path / "tok.gguf", hf.config, gguf_tensors(hf, "llama"),
+                          tokenizer=gpt2_tokenizer_metadata(hf_dir))
+    assert load_tokenizer(with_tok, hf.config).encode(TEXTS[1]) == \
+        HFTokenizer.from_directory(hf_dir).encode(TEXTS[1])
+    with pytest.raises(ValueError, match="bare.gguf.*has no tokenizer"):
+        load_tokenizer(bare, hf.config)
+    stories = load_model(stories_dir / "stories260K.bin").config
+    tok = load_tokenizer(stories_dir / "tok512.bin", stories)
+    assert tok.encode("Once upon a time") == [1, 403, 407, 261, 378]
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer(tmp_path / "nowhere", stories)
+    with pytest.raises(ValueError, match="more than the model's vocab_size"):
+        load_tokenizer(with_tok, stories.replace(vocab_size=16, eos_token_ids=(1,)))

@@ -26,6 +26,17 @@ def test_serve_rejects_a_bad_queue_bound_before_loading_anything():
         cmd_serve(args)
 
 
+def test_serve_refuses_a_model_without_a_tokenizer(stories_dir, tmp_path, compile_cache_dir):
+    import shutil
+
+    shutil.copy(stories_dir / "stories260K.bin", tmp_path / "alone.bin")  # no tok512.bin beside
+    args = build_parser().parse_args(["serve", str(tmp_path / "alone.bin"), "--num-kv-blocks",
+                                      "64", "--compilation-cache-dir", compile_cache_dir])
+    with pytest.raises(ValueError, match="alone.bin: this model has no tokenizer.*pass "
+                                         "tokenizer="):
+        cmd_serve(args)
+
+
 def test_the_server_exits_non_zero_once_the_engine_is_dead(engine_args, monkeypatch):
     import asyncio
     import socket

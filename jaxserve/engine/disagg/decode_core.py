@@ -11,7 +11,7 @@ from jaxserve.engine.core import EngineCore
 from jaxserve.engine.kv_connector import KVConnector
 from jaxserve.executor.kv_blocks import transfer_heads
 from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.models.loader import load_model
+from jaxserve.models.loader import load_configured
 
 
 def make_decode_core(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:
@@ -21,7 +21,7 @@ def make_decode_core(config: EngineConfig, loaded: LoadedModel | None = None) ->
     if settings.connector == "inprocess":
         _check_device_count(settings)
     m = config.model
-    loaded = loaded or load_model(m.model, m.load_format, seed=m.seed)
+    loaded = loaded or load_configured(m)
     decode_config = side_config(config, settings, "decode")
     connector = _make_connector(config, settings, loaded, decode_config)
     try:  # EngineCore refuses a pool that cannot hold one sequence: say which side's

@@ -60,6 +60,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
+        # The checkpoint's sampling defaults, for the fields a request leaves unset.
+        self.sampling_defaults = llm.engine.sampling_defaults
 
     def check_request(self, req: APIRequest) -> None:
         """The served model (404 otherwise, as vLLM), and no field that would be ignored."""
@@ -151,8 +153,13 @@ class OpenAIServing:
                         logprobs: int | None, prompt_logprobs: int | None = None,
                         ) -> SamplingParams:
         kwargs: dict[str, Any] = {name: getattr(req, name) for name in _PASSED_SAMPLING}
-        kwargs |= {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
-                   if getattr(req, name) is not None}
+        for name in _OPTIONAL_SAMPLING:
+            value = getattr(req, name)
+            value = self.sampling_defaults.get(name) if value is None else value
+            if value is not None:
+                kwargs[name] = value
+        if max_tokens is None:  # the default, cut to the room the prompt leaves by the engine
+            max_tokens = self.sampling_defaults.get("max_tokens")
         kwargs["structured_outputs"] = structured_outputs_of(req)
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
