@@ -24,7 +24,7 @@ from jaxserve.executor.compiled_dir import KV_INIT
 from jaxserve.executor.device_memory import plan
 from jaxserve.executor.draft_model import FIELD as DRAFT_FIELD, load_draft, place_draft
 from jaxserve.executor.host_memory import CPU_KV_MEMORY_FRACTION, available_host_bytes
-from jaxserve.executor.huge_pages import collapse_in_background
+from jaxserve.executor.huge_pages import place_zeroed_on_huge_pages
 from jaxserve.executor.mesh import rank_meshes
 from jaxserve.executor.model_runner import ModelRunner, PendingStep, dtype_of
 from jaxserve.executor.sharding import (
@@ -153,8 +153,7 @@ class Worker:
         executables = ({} if config.runner.compiled_dir is None
                        else self._load_compiled(config.runner.compiled_dir))
         k_cache, v_cache, *draft_kv = (executables.pop(KV_INIT, None) or self.kv_init)()
-        # CPU caches move onto 2 MiB pages while the engine runs (huge_pages.py)
-        self.huge_pages = collapse_in_background((k_cache, v_cache, *draft_kv))
+        place_zeroed_on_huge_pages((k_cache, v_cache, *draft_kv))  # CPU caches (huge_pages.py)
         self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend, self.mesh,
                                   self.max_model_len, cfg.eos_token_ids, self.draft,
                                   tuple(draft_kv) or None)

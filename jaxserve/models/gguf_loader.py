@@ -3,6 +3,8 @@ embedded tokenizer."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +72,10 @@ def _dequantize(path: Path, tensor: GGUFTensor) -> np.ndarray:
     if kind not in SUPPORTED_TYPES:
         raise ValueError(f"{path}: tensor {tensor.name!r} has unsupported GGUF type {kind}; "
                          f"supported: {', '.join(SUPPORTED_TYPES)}")
-    # np.array copies: F32/F16 data would otherwise stay a view of the memory-mapped file.
-    data = np.array(gguf.quants.dequantize(tensor.data, tensor.qtype), dtype=np.float32)
-    return data.reshape(tensor.shape)
+    data = gguf.quants.dequantize(tensor.data, tensor.qtype)
+    if np.may_share_memory(data, tensor.data):  # F32 comes back as a view of the mapped file
+        data = data.copy()
+    return data.astype(np.float32, copy=False).reshape(tensor.shape)
 
 
 def read_gguf_config(gguf: GGUFFile, path: Path) -> LlamaConfig:
@@ -142,16 +145,24 @@ def load_gguf(path: str | Path) -> LoadedModel:
             w = interleaved_to_half_split(w, config.num_kv_heads)
         return w.T if canonical in _LINEAR else w
 
-    params: dict[str, np.ndarray] = {}
-    for canonical, shape in param_shapes(config).items():
-        if canonical in _GLOBAL_TENSORS:
-            params[canonical] = np.ascontiguousarray(get(_GLOBAL_TENSORS[canonical], canonical,
-                                                         shape))
-            continue
+    def stacked(canonical: str, shape: tuple[int, ...], pool: ThreadPoolExecutor) -> np.ndarray:
         out = np.empty(shape, np.float32)
-        for layer in range(config.num_layers):
+
+        def fill(layer: int) -> None:
             out[layer] = get(f"blk.{layer}.{_LAYER_TENSORS[canonical]}", canonical, shape[1:])
-        params[canonical] = out
+
+        list(pool.map(fill, range(config.num_layers)))
+        return out
+
+    params: dict[str, np.ndarray] = {}
+    # numpy lets go of the GIL while it dequantises and copies: the layers fill in parallel
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for canonical, shape in param_shapes(config).items():
+            if canonical in _GLOBAL_TENSORS:
+                params[canonical] = np.ascontiguousarray(
+                    get(_GLOBAL_TENSORS[canonical], canonical, shape))
+            else:
+                params[canonical] = stacked(canonical, shape, pool)
     known = {f"blk.{i}.{_LAYER_TENSORS[c]}" for i in range(config.num_layers) for c in params
              if c in _LAYER_TENSORS} | set(_GLOBAL_TENSORS.values())
     unused = sorted(set(tensors) - known)

@@ -1,8 +1,10 @@
 """Where the CPU KV cache lives: the step donates it, so decoding never moves (copies) it, and
-the worker moves it onto 2 MiB pages in the background once it exists (executor/huge_pages.py)."""
+the worker puts the freshly zeroed pool onto 2 MiB pages from their first touch
+(executor/huge_pages.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 
 from engine_helpers import SMALL_ENGINE, random_prompts
 from jaxserve import LLMEngine, SamplingParams
-from jaxserve.executor.huge_pages import HUGE_PAGE_BYTES, collapse, huge_page_ranges
+from jaxserve.executor.huge_pages import HUGE_PAGE_BYTES, place_zeroed_on_huge_pages
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -34,20 +36,18 @@ def huge_page_bytes_in(address: int, nbytes: int) -> int:
 def needs_huge_pages() -> None:
     if not THP_ENABLED.exists() or "[never]" in THP_ENABLED.read_text():
         pytest.skip("transparent huge pages are off on this machine")
-    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
-    if (major, minor) < (6, 1):
-        pytest.skip("MADV_COLLAPSE needs Linux 6.1")
 
 
-def test_advised_array_reports_only_pages_that_are_huge() -> None:
+def test_a_zeroed_array_comes_back_on_huge_pages_still_zero() -> None:
     needs_huge_pages()
-    # 32 MiB, advised while its computation may still be writing it (dispatch is asynchronous)
-    array = jax.random.normal(jax.random.key(0), (16 * HUGE_PAGE_BYTES // 4,), jnp.float32)
-    collapsed = collapse(huge_page_ranges([array]))
-    assert collapsed >= 14 * HUGE_PAGE_BYTES  # at most the two partial ends cannot move
-    assert huge_page_bytes_in(array.unsafe_buffer_pointer(), array.nbytes) >= collapsed
-    again = jax.random.normal(jax.random.key(0), array.shape, jnp.float32)
-    assert bool(jnp.array_equal(array, again))  # the data moved with its pages
+    array = jnp.zeros((16 * HUGE_PAGE_BYTES // 4,), jnp.float32)  # 32 MiB
+    address = array.unsafe_buffer_pointer()
+    advised = place_zeroed_on_huge_pages([array])
+    assert advised >= 15 * HUGE_PAGE_BYTES  # at most the two partial ends are left out
+    assert huge_page_bytes_in(address, array.nbytes) < advised  # dropped, not yet touched
+    ctypes.memset(address, 0, array.nbytes)  # a first touch, as the step's KV writes are
+    assert huge_page_bytes_in(address, array.nbytes) >= advised
+    assert not bool(jnp.any(array))
 
 
 def test_decoding_keeps_the_kv_cache_in_place_on_huge_pages(llama, compile_cache_dir) -> None:
@@ -60,14 +60,11 @@ def test_decoding_keeps_the_kv_cache_in_place_on_huge_pages(llama, compile_cache
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(4, 5, 40, seed=41)):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-    while engine.has_unfinished_requests():  # while the caches move in the background
+    while engine.has_unfinished_requests():
         engine.step()
-    mover = engine.core.executor.worker.huge_pages
-    mover.join(timeout=60)
-    assert not mover.is_alive()
     for cache, address in zip((runner.k_cache, runner.v_cache), addresses, strict=True):
         assert cache.unsafe_buffer_pointer() == address
-        assert huge_page_bytes_in(address, cache.nbytes) >= cache.nbytes // 2
+        assert huge_page_bytes_in(address, cache.nbytes) >= HUGE_PAGE_BYTES  # the pages written
 
 
 def test_cpu_pool_is_a_share_of_available_memory_capped_and_overridable(
