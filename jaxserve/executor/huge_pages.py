@@ -33,8 +33,7 @@ _MADV_DONTNEED = 4
 def huge_page_ranges(arrays: Iterable[jax.Array]) -> list[tuple[int, int]]:
     """The [start, end) address ranges of the whole 2 MiB pages inside each array's CPU buffers
     (accelerator arrays have none). Waits for the arrays: the caches' zero fill is dispatched
-    asynchronously, and a page dropped before it is written would be written again on 4 KiB
-    pages."""
+    asynchronously, and their pages are dropped after it, never under it."""
     shards = [shard.data for array in arrays for shard in array.addressable_shards
               if shard.device.platform == "cpu"]
     jax.block_until_ready(shards)
