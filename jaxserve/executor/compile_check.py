@@ -43,7 +43,7 @@ from jaxserve.executor.step_program import (ModelParts, StepProgram, kv_blocks_f
 from jaxserve.executor.step_cost import step_cost
 from jaxserve.executor.step_floor import bucket_scenarios, step_floor
 from jaxserve.executor.targets import Chip, Target
-from jaxserve.layers.attention import get_attention_backend, scatter_write
+from jaxserve.layers.attention import get_attention_backend
 from jaxserve.models.llama import Llama, kv_cache_bytes_per_block
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
 
@@ -240,7 +240,7 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
     backend = get_attention_backend(config.runner.attention_backend, target.platform, mesh,
                                     decode_rows=1 + num_speculative_tokens(config))
     if kv_write == "scatter":
-        backend = dataclasses.replace(backend, writer=scatter_write, fused=None)
+        backend = dataclasses.replace(backend, fused=None)
     if attention_tiles:
         backend = dataclasses.replace(
             backend, kernel=functools.partial(backend.kernel, **attention_tiles),

@@ -31,18 +31,9 @@ class AttentionMetadata:
 
 
 AttendFn = Callable[..., jax.Array]
-# (k_cache, v_cache, layer, k, v, slot_mapping, query_start_loc) -> (k_cache, v_cache)
-WriteFn = Callable[..., tuple[jax.Array, jax.Array]]
 # (q, k, v, k_cache, v_cache, layer, seq_lens, block_tables, query_start_loc, **kwargs)
 # -> (o, k_cache, v_cache)
 FusedFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
-
-
-def scatter_write(k_cache: jax.Array, v_cache: jax.Array, layer: int | jax.Array, k: jax.Array,
-                   v: jax.Array, slot_mapping: jax.Array, query_start_loc: jax.Array,
-                   ) -> tuple[jax.Array, jax.Array]:
-    del query_start_loc  # padding tokens write the null block
-    return xla_attention.write_kv(k_cache, v_cache, layer, k, v, slot_mapping)
 
 
 @dataclass(frozen=True)
@@ -60,7 +51,6 @@ class AttentionBackend:
     name: str
     kernel: AttendFn
     mesh: Mesh | None = None
-    writer: WriteFn = scatter_write
     fused: FusedFn | None = None
 
     def _per_device(self, is_kernel: bool) -> bool:
@@ -77,9 +67,9 @@ class AttentionBackend:
     def write_and_attend(self, q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
                          v_cache: jax.Array, layer: int | jax.Array, md: AttentionMetadata,
                          **kwargs: object) -> tuple[jax.Array, jax.Array, jax.Array]:
-        if self.fused is None:
-            k_cache, v_cache = self.writer(k_cache, v_cache, layer, k, v, md.slot_mapping,
-                                           md.query_start_loc)
+        if self.fused is None:  # padding tokens write the null block
+            k_cache, v_cache = xla_attention.write_kv(k_cache, v_cache, layer, k, v,
+                                                      md.slot_mapping)
             return self.attend(q, k_cache, v_cache, layer, md, **kwargs), k_cache, v_cache
 
         def fused(q, k, v, k_cache, v_cache, layer, seq_lens, block_tables, query_start_loc):
