@@ -11,11 +11,17 @@ refused, never loaded. Load only directories you built: files are pickles.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import importlib.metadata
 import json
+import os
 import pickle
+import queue
+import threading
+import weakref
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -116,14 +122,20 @@ def save(directory: str | Path, programs: dict[Any, Any], fp: dict[str, Any],
 
 
 class LoadedPrograms:
-    """The programs of a directory by key, each deserialised onto the devices on first use: a
-    directory holds every bucket's programs, and a start needs a few (a 30-layer step program
-    takes about a second to load)."""
+    """The programs of a directory by key, each deserialised onto the devices on first use or
+    ahead of it on a background thread (`load_in_background`): a directory holds every bucket's
+    programs, a start needs a few, and a 30-layer step program takes about a second to load."""
 
-    def __init__(self, payloads: dict[Any, tuple[bytes, Any, Any]], devices: list[Any]) -> None:
+    def __init__(self, saved_fingerprint: dict[str, Any],
+                 payloads: dict[Any, tuple[bytes, Any, Any]], devices: list[Any]) -> None:
+        self.saved_fingerprint = saved_fingerprint
         self._payloads = payloads
         self._devices = devices
         self._loaded: dict[Any, Any] = {}
+        self._queued: dict[Any, Future[Any]] = {}
+        self._to_load: queue.SimpleQueue[tuple[Any, Future[Any]]] = queue.SimpleQueue()
+        self._loader: threading.Thread | None = None
+        self._loader_lock = threading.Lock()
 
     def __contains__(self, key: Any) -> bool:
         return key in self._payloads
@@ -131,13 +143,71 @@ class LoadedPrograms:
     def __len__(self) -> int:
         return len(self._payloads)
 
+    def check(self, fp: dict[str, Any], directory: str | Path) -> None:
+        """CompiledDirError naming what differs unless the directory was built for exactly the
+        engine whose fingerprint is `fp`; then nothing more is loaded."""
+        diffs = _differences(self.saved_fingerprint, fp)
+        if diffs:
+            self.stop_loading()
+            raise CompiledDirError(f"compiled_dir {Path(directory).name} was built for another "
+                                   "engine: " + "; ".join(diffs[:5]))
+
+    def load_in_background(self, keys: list[Any]) -> None:
+        """Deserialise these programs one after another on a background thread (deserialising
+        lets go of the GIL), so the engine can read its weights or run steps meanwhile."""
+        with self._loader_lock:
+            for key in dict.fromkeys(keys):
+                if key in self._payloads and key not in self._loaded and key not in self._queued:
+                    self._queued[key] = Future()
+                    self._to_load.put((key, self._queued[key]))
+            if self._loader is None and not self._to_load.empty():
+                # A daemon thread, so a process can exit with programs still queued; the exit
+                # waits for the one being deserialised (stop_loading), as a thread killed
+                # inside XLA aborts the process.
+                self._loader = threading.Thread(target=self._load_queued, daemon=True,
+                                                name="jaxserve-programs")
+                self._loader.start()
+                atexit.register(_stop_loading, weakref.ref(self))
+
+    def _load_queued(self) -> None:
+        # Niced: the weights being read and the engine's own steps come first.
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        while True:
+            with self._loader_lock:
+                if self._to_load.empty():
+                    self._loader = None
+                    return
+                key, future = self._to_load.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._deserialize(key))
+                except Exception as e:  # noqa: BLE001 - raised where the program is needed
+                    future.set_exception(e)
+
+    def stop_loading(self) -> None:
+        """Cancel the programs queued for the background thread and wait for the one it is
+        deserialising."""
+        with self._loader_lock:
+            for future in self._queued.values():
+                future.cancel()
+            loader = self._loader
+        if loader is not None:
+            loader.join()
+
+    def ready(self, key: Any) -> bool:
+        """Whether `get(key)` returns without deserialising or waiting."""
+        queued = self._queued.get(key)
+        return key in self._loaded or (queued is not None and queued.done())
+
     def get(self, key: Any, default: Any = None) -> Any:
         if key not in self._payloads:
             return default
         if key not in self._loaded:
-            payload, in_tree, out_tree = self._payloads[key]
-            self._loaded[key] = serialize_executable.deserialize_and_load(
-                payload, in_tree, out_tree, execution_devices=self._devices)
+            queued = self._queued.pop(key, None)
+            # One the background thread has started or finished is waited for; one still in
+            # its queue is loaded here, ahead of those before it.
+            self._loaded[key] = (self._deserialize(key) if queued is None or queued.cancel()
+                                 else queued.result())
         return self._loaded[key]
 
     def pop(self, key: Any, default: Any = None) -> Any:
@@ -146,17 +216,24 @@ class LoadedPrograms:
         self._loaded.pop(key, None)
         return program
 
+    def _deserialize(self, key: Any) -> Any:
+        payload, in_tree, out_tree = self._payloads[key]
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                         execution_devices=self._devices)
 
-def load(directory: str | Path, fp: dict[str, Any], devices: list[Any]) -> LoadedPrograms:
-    """The directory's programs, for `devices` (one rank's mesh, in order), if it was built for
-    exactly this engine and every file is whole; else CompiledDirError naming what differs or
-    is damaged."""
+
+def _stop_loading(programs: weakref.ref[LoadedPrograms]) -> None:
+    alive = programs()
+    if alive is not None:
+        alive.stop_loading()
+
+
+def read_programs(directory: str | Path, devices: list[Any]) -> LoadedPrograms:
+    """The directory's programs, for `devices` (one rank's mesh, in order), if every file is
+    whole; else CompiledDirError naming what is damaged. Whether they were built for this
+    engine is `LoadedPrograms.check`'s to say."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    diffs = _differences(manifest["fingerprint"], fp)
-    if diffs:
-        raise CompiledDirError(f"compiled_dir {directory.name} was built for another engine: "
-                               + "; ".join(diffs[:5]))
     payloads = {}
     for entry in manifest["programs"]:
         path = directory / entry["file"]
@@ -166,4 +243,4 @@ def load(directory: str | Path, fp: dict[str, Any], devices: list[Any]) -> Loade
                                    "corrupt (sha256 differs from the manifest)")
         key, *payload = pickle.loads(blob)  # noqa: S301 - hash-checked
         payloads[key] = tuple(payload)
-    return LoadedPrograms(payloads, devices)
+    return LoadedPrograms(manifest["fingerprint"], payloads, devices)

@@ -16,16 +16,17 @@ from jaxserve.executor.mesh import initialize_distributed, rank_meshes
 from jaxserve.executor.model_runner import PendingStep, UnexpectedCompilationError
 from jaxserve.executor.worker import BuiltWorker, Worker, restores_sharded
 from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.models.loader import load_configured
+from jaxserve.models.loader import LoadingModel, start_loading
 
 
 class Executor:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig,
+                 loaded: LoadedModel | LoadingModel | None = None):
         set_allocator_fraction(config.cache.gpu_memory_utilization)  # before JAX's GPU client
         initialize_distributed(config.parallel)
         m = config.model
         if loaded is None and not restores_sharded(config):
-            loaded = load_configured(m)
+            loaded = start_loading(m)  # the weights are read while workers ready the rest
         draft = load_draft(config)
         self.workers = [Worker(config, loaded, mesh, draft) for mesh in rank_meshes(
             config.parallel, select_devices(config.parallel.devices))]

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.step_timing import StepTimings
+from jaxserve.executor.compiled_dir import LoadedPrograms
 from jaxserve.executor.mesh import replicate, to_host
 from jaxserve.executor.device_step import (DraftKV, PrevSamples, ProgramKey, StepStatics,
                                            _sample, _step, _step_prompt_logprobs,
@@ -42,11 +43,11 @@ from jaxserve.executor.input_batch import InputBatch, StepArrays
 from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_blocks,
                                          padded_block_ids, scatter_blocks)
 from jaxserve.executor.packing import PackedLayout, pack
+from jaxserve.executor.program_order import ReadyBuckets, planned_programs
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.executor.spec_verify import accepted_tokens
 from jaxserve.executor.targets import chip_of
-from jaxserve.executor.step_shapes import (max_sample_rows, num_speculative_tokens,
-                                           step_buckets, warm_up_programs)
+from jaxserve.executor.step_shapes import max_sample_rows, num_speculative_tokens, step_buckets
 from jaxserve.executor.prompt_logprobs import (PromptLogprobsPlan, finished_prompt_logprobs,
                                                plan_prompt_logprobs, record_prompt_logprobs)
 from jaxserve.layers.axes import AXIS
@@ -110,6 +111,7 @@ class ModelRunner:
         self.draft_kv = draft_kv
         self.eos_token_ids = eos_token_ids
         block_size = config.cache.block_size
+        self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.batch = InputBatch(block_size, self.max_blocks_per_seq)
         self.block_buckets = block_buckets(self.max_blocks_per_seq)
@@ -130,7 +132,8 @@ class ModelRunner:
         self.prev = PrevSamples(zeros, zeros)
         self.running_rows: dict[str, tuple[int, int]] = {}
         # Programs built ahead of time (a compiled directory), called directly: no tracing.
-        self.executables: dict[ProgramKey, Any] = {}
+        self.executables: dict[ProgramKey, Any] | LoadedPrograms = {}
+        self.ready_buckets = ReadyBuckets(config, self.max_blocks_per_seq)
         self.compiled_shapes: set[tuple[Any, ...]] = set()
         self.timings = StepTimings()
         self._last_step: _LastStep | None = None
@@ -149,8 +152,8 @@ class ModelRunner:
             self.batch.update(sched)
             if sched.is_empty:
                 return None
-            arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets,
-                                        self.running_rows, self.num_drafts)
+            arrays = self.batch.prepare(sched, *self._buckets(sched), self.running_rows,
+                                        self.num_drafts)
             rows = self.batch.rows(arrays)
             # One logprobs width for every step that wants any: one shape.
             wants_logprobs = any(row.params.logprobs is not None for row in rows)
@@ -191,6 +194,19 @@ class ModelRunner:
             arrays.req_ids, tokens,
             self._logprobs(out, rows, arrays.sample_starts, tokens) if wants_logprobs else None,
             finished_prompt_logprobs(arrays, self.batch.requests))
+
+    def _buckets(self, sched: SchedulerOutput) -> tuple[list[int], list[int]]:
+        """The token and request buckets this step may take: all of them, or from a compiled
+        directory, while the step's own bucket's program loads, a loaded larger one
+        (program_order.py)."""
+        programs = self.executables
+        if isinstance(programs, LoadedPrograms) and not self.num_drafts:
+            ready = self.ready_buckets.choose(
+                programs, sum(sched.num_scheduled_tokens.values()),
+                len(sched.num_scheduled_tokens))
+            if ready is not None:
+                return [ready[0]], [ready[1]]
+        return self.token_buckets, self.request_buckets
 
     def _run(self, arrays: StepArrays, sampling: SamplingMetadata,
              prompt_plan: PromptLogprobsPlan | None = None,
@@ -370,9 +386,7 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def warm_up_programs(self) -> list[tuple[StepArrays, SamplingMetadata]]:
-        return warm_up_programs(self.token_buckets, self.request_buckets, self.max_blocks_per_seq,
-                                self.eos_token_ids, self.config.model.max_logprobs,
-                                self.model.cfg.vocab_size, self.num_drafts)
+        return planned_programs(self.config, self.model.cfg, self.max_model_len)
 
     def _loaded(self, arrays: StepArrays, sampling: SamplingMetadata) -> bool:
         return (step_key(arrays) in self.executables

@@ -27,6 +27,7 @@ from jaxserve.executor.host_memory import CPU_KV_MEMORY_FRACTION, available_host
 from jaxserve.executor.huge_pages import place_zeroed_on_huge_pages
 from jaxserve.executor.mesh import rank_meshes
 from jaxserve.executor.model_runner import ModelRunner, PendingStep, dtype_of
+from jaxserve.executor.program_order import first_programs, planned_programs
 from jaxserve.executor.sharding import (
     AXIS,
     kv_cache_sharding,
@@ -47,7 +48,7 @@ from jaxserve.models.checkpoint_io import load_converted, read_converted_config
 from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
-from jaxserve.models.loader import load_configured, with_hf_overrides
+from jaxserve.models.loader import LoadingModel, start_loading, with_hf_overrides
 from jaxserve.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class BuiltWorker:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | LoadingModel | None = None,
                  mesh: Mesh | None = None, draft: LoadedModel | None = None):
         """`loaded`, `draft`: the target's and the draft model's host weights, read once for
         every rank (by default read here)."""
@@ -109,16 +110,16 @@ class Worker:
         restored = loaded is None and restores_sharded(config)
         device = self.mesh.devices.flat[0]
         host_placed = self.mesh.size == 1 and device.process_index == jax.process_index()
-        if restored:
-            self.loaded = self._restore_sharded(m.model)  # params already on their devices
-            cfg, placed = self.loaded.config, self.loaded.params
-        elif host_placed:
+        # restored: the params already on their devices
+        loading = self._restore_sharded(m.model) if restored else loaded or start_loading(m)
+        programs = (None if config.runner.compiled_dir is None  # loading beside the weights
+                    else self._read_compiled(config.runner.compiled_dir, loading.config))
+        self.loaded = loading.result() if isinstance(loading, LoadingModel) else loading
+        if restored or host_placed:
             # Host arrays: the model slices, packs and places them on this process's one device
             # itself (under default_device below), with no jax operation to compile at start.
-            self.loaded = loaded or load_configured(m)
             cfg, placed = self.loaded.config, self.loaded.params
         else:
-            self.loaded = loaded or load_configured(m)
             cfg, placed = shard_params(self.loaded.config, self.loaded.params, self.mesh,
                                        self.dtype)
         self.model_config = cfg
@@ -150,8 +151,7 @@ class Worker:
                 raise ValueError(f"{DRAFT_FIELD}: {e}") from None
         self.num_blocks = self._num_kv_blocks(backend)
         self.kv_sharding = kv_cache_sharding(self.mesh)
-        executables = ({} if config.runner.compiled_dir is None
-                       else self._load_compiled(config.runner.compiled_dir))
+        executables = self._check_compiled(programs)
         k_cache, v_cache, *draft_kv = (executables.pop(KV_INIT, None) or self.kv_init)()
         place_zeroed_on_huge_pages((k_cache, v_cache, *draft_kv))  # CPU caches (huge_pages.py)
         self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend, self.mesh,
@@ -205,16 +205,37 @@ class Worker:
             max_model_len=self.max_model_len,
             draft=None if self.draft is None else self.draft.cfg)
 
-    def _load_compiled(self, directory: str) -> compiled_dir.LoadedPrograms | dict[Any, Any]:
-        """A directory built for another engine: an error in strict mode, else a warning and
-        a normal compile."""
+    def _read_compiled(self, directory: str, cfg: LlamaConfig,
+                       ) -> compiled_dir.LoadedPrograms | None:
+        """The directory's programs, those a starting engine needs first loading on a
+        background thread (program_order.py); None when a file is damaged (strict: the
+        error)."""
         try:
-            return compiled_dir.load(directory, self.fingerprint(), list(self.mesh.devices.flat))
+            programs = compiled_dir.read_programs(directory, list(self.mesh.devices.flat))
+        except compiled_dir.CompiledDirError as e:
+            if self.config.runner.strict_compile:
+                raise
+            logger.warning("%s; compiling instead", e)
+            return None
+        max_model_len = self.config.model.max_model_len or cfg.max_position_embeddings
+        programs.load_in_background(
+            first_programs(planned_programs(self.config, cfg, max_model_len)))
+        return programs
+
+    def _check_compiled(self, programs: compiled_dir.LoadedPrograms | None,
+                        ) -> compiled_dir.LoadedPrograms | dict[Any, Any]:
+        """The programs, if built for exactly this engine; else an error in strict mode, or a
+        warning and a normal compile."""
+        if programs is None:
+            return {}
+        try:
+            programs.check(self.fingerprint(), self.config.runner.compiled_dir or "")
         except compiled_dir.CompiledDirError as e:
             if self.config.runner.strict_compile:
                 raise
             logger.warning("%s; compiling instead", e)
             return {}
+        return programs
 
     def _restore_sharded(self, path: str) -> LoadedModel:
         """orbax reads each device's shard straight onto it: no full copy on any device."""

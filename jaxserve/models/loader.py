@@ -5,6 +5,7 @@ own, `load_tokenizer(path, config)`."""
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,37 @@ def load_model(path: str | Path | None, load_format: str = "auto", *,
 def load_configured(m: ModelConfig) -> LoadedModel:
     """The checkpoint an engine's model config names, as it configures it."""
     return load_model(m.model, m.load_format, seed=m.seed, hf_overrides=m.hf_overrides)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadingModel:
+    """A checkpoint being read: its config now, the rest (`result()`) when its weights are in.
+    A GGUF's weights are dequantised on a background thread, which takes a second or more,
+    while the engine readies what does not need them."""
+
+    config: LlamaConfig
+    weights: Future[LoadedModel]
+
+    def result(self) -> LoadedModel:
+        return self.weights.result()
+
+
+def start_loading(m: ModelConfig) -> LoadingModel:
+    """`load_configured(m)`, on a background thread for a GGUF (other formats read here)."""
+    p = Path(m.model) if m.model else None
+    if p is None or m.load_format not in ("auto", "gguf") or p.suffix != ".gguf" \
+            or not p.is_file():
+        loaded = load_configured(m)
+        done: Future[LoadedModel] = Future()
+        done.set_result(loaded)
+        return LoadingModel(loaded.config, done)
+    config = read_gguf_config(read_gguf(p), p)
+    if m.hf_overrides:
+        config = config.with_hf_overrides(m.hf_overrides)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-weights")
+    weights = pool.submit(load_configured, m)
+    pool.shutdown(wait=False)
+    return LoadingModel(config, weights)
 
 
 def _load(path: str | Path | None, load_format: str, dummy_config: LlamaConfig | None,

@@ -8,6 +8,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,9 @@ from engine_helpers import hf_greedy, random_prompts
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.executor import aot, compiled_dir
+from jaxserve.executor.device_step import step_key
+from jaxserve.executor.input_batch import StepArrays
+from jaxserve.executor.program_order import first_programs
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 ENGINE = dict(max_model_len=128, num_kv_blocks=64, block_size=16, max_num_seqs=4,
@@ -99,6 +103,39 @@ def test_an_engine_from_a_compiled_dir_compiles_nothing_and_gives_the_same_token
     assert events == [] and llm.stats().num_compilations == 0  # the KV pool's zeros too
     assert [o.outputs[0].token_ids for o in got] == hf_greedy(path, prompts, 8)
     assert len(sampled.outputs[0].logprobs) == 4
+
+
+def wait_until_ready(programs: compiled_dir.LoadedPrograms, key: object) -> None:
+    deadline = time.monotonic() + 120
+    while not programs.ready(key):
+        assert time.monotonic() < deadline, "the background load did not finish"
+        time.sleep(0.05)
+
+
+def test_a_step_whose_program_is_not_loaded_runs_in_a_loaded_larger_one_meanwhile(built):
+    """A start from a directory loads the KV pool's program, the largest step's and its
+    sampler's on a background thread while the weights are read. A step whose own bucket's
+    program is not loaded runs in a loaded larger bucket (padding changes no token) while its
+    own loads behind it, then in its own."""
+    path, out = built
+    llm = LLM(str(path), compiled_dir=str(out), precompile=True, strict_compile=True,
+              **ENGINE)
+    runner = llm.engine.core.executor.worker.runner
+    programs = runner.executables
+    largest, own = (step_key(StepArrays.empty(T, 4, runner.max_blocks_per_seq))
+                    for T in (32, 16))
+    assert first_programs(runner.warm_up_programs())[:2] == [compiled_dir.KV_INIT, largest]
+    wait_until_ready(programs, largest)
+    assert not programs.ready(own)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    expected = hf_greedy(path, [[5, 6, 7]], 1)[0]
+    first = llm.generate({"prompt_token_ids": [5, 6, 7]}, one, use_tqdm=False)[0]
+    assert len(runner._last_step.arrays.input_ids) == 32
+    wait_until_ready(programs, own)
+    again = llm.generate({"prompt_token_ids": [5, 6, 7]}, one, use_tqdm=False)[0]
+    assert len(runner._last_step.arrays.input_ids) == 16
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == expected
+    assert llm.stats().num_compilations == 0
 
 
 def run_speculative_from_dir(path: Path, spec: dict, prompts: list[list[int]], out: Path,

@@ -15,7 +15,8 @@ import pytest
 from hf_checkpoints import CHAT_TEMPLATE, Factory
 from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.models.loader import load_model, load_tokenizer
+from jaxserve.config import EngineConfig
+from jaxserve.models.loader import load_configured, load_model, load_tokenizer, start_loading
 from jaxserve.models.tokenizer import HFTokenizer
 
 Q = gguf.GGMLQuantizationType
@@ -291,3 +292,25 @@ def test_tokenizer_override_takes_a_gguf_or_a_llama2c_file(
         load_tokenizer(tmp_path / "nowhere", stories)
     with pytest.raises(ValueError, match="more than the model's vocab_size"):
         load_tokenizer(with_tok, stories.replace(vocab_size=16, eos_token_ids=(1,)))
+
+
+def test_start_loading_a_gguf_gives_its_config_now_and_the_same_model_after(
+        hf_checkpoint: Factory, tmp_path: Path) -> None:
+    """The engine's start: a GGUF's config is read at once and its weights on a background
+    thread; what arrives equals a plain load. Other formats load before it returns."""
+    hf_dir = hf_checkpoint("llama")
+    hf = load_model(hf_dir)
+    path = write_gguf(tmp_path / "m.gguf", hf.config, gguf_tensors(hf, "llama"), qtype=Q.Q4_1)
+    engine = EngineConfig.from_kwargs(model=str(path), hf_overrides={"rope_theta": 5e5})
+    loading = start_loading(engine.model)
+    plain = load_configured(engine.model)
+    assert loading.config == plain.config and loading.config.rope_theta == 5e5
+    loaded = loading.result()
+    assert loaded.config == plain.config and sorted(loaded.params) == sorted(plain.params)
+    for name, value in plain.params.items():
+        np.testing.assert_array_equal(loaded.params[name], value, err_msg=name)
+    hf_loading = start_loading(EngineConfig.from_kwargs(model=str(hf_dir)).model)
+    assert hf_loading.weights.done() and hf_loading.config == hf.config
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 16)
+    with pytest.raises(ValueError, match="bad.gguf"):
+        start_loading(EngineConfig.from_kwargs(model=str(tmp_path / "bad.gguf")).model)

@@ -173,7 +173,7 @@ def test_orbax_checkpoint_restores_each_shard_onto_its_device(compile_cache_dir,
         raise AssertionError("weights went through a full host array")
 
     monkeypatch.setattr(sharding, "place", no_host_copy)
-    monkeypatch.setattr(worker, "load_configured", no_host_copy)
+    monkeypatch.setattr(worker, "start_loading", no_host_copy)
     llm = LLM(str(dst), tensor_parallel_size=2, compilation_cache_dir=compile_cache_dir,
               **SMALL_ENGINE)
     wq = llm.engine.core.executor.worker.model.layers[0]["wq"][...]
