@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import yaml
 
 from jaxserve.default_model import default_model_path
-from jaxserve.disaggregation_config import DisaggregationConfig, normalize_disaggregation
+from jaxserve.disaggregation_config import SIDES, DisaggregationConfig, normalize_disaggregation
 from jaxserve.speculative_config import SpeculativeConfig, normalize_speculative
 from jaxserve.vllm_args import accept_vllm_args
 
@@ -202,7 +202,12 @@ class EngineConfig:
             raise ValueError(f"devices must be a non-empty list of distinct device indices "
                              f"(integers >= 0), got {p.devices!r}")
         if p.disaggregation is not None:
-            p.disaggregation = normalize_disaggregation(p.disaggregation, self)
+            settings = normalize_disaggregation(p.disaggregation,
+                                                coordinator_address=p.coordinator_address,
+                                                devices=p.devices)
+            for name in SIDES:  # each side's own engine arguments must validate too
+                side_config(self, settings, name)
+            p.disaggregation = settings
         s.speculative_config = normalize_speculative(s.speculative_config,
                                                      tensor_parallel_size=p.tensor_parallel_size)
         if s.speculative_config is not None and p.disaggregation is not None:
@@ -215,6 +220,19 @@ class EngineConfig:
                     not isinstance(b, int) or b <= 0 for b in buckets)):
                 raise ValueError(f"{name} must be a non-empty list of positive integers, "
                                  f"got {buckets!r}")
+
+
+def side_config(config: EngineConfig, settings: DisaggregationConfig,
+                name: str) -> EngineConfig:
+    """The engine configuration of one side: the shared arguments plus the side's own."""
+    side = settings.side(name)
+    try:
+        return config.replace(disaggregation=None, devices=side.devices,
+                              tensor_parallel_size=side.tensor_parallel_size,
+                              data_parallel_size_local=side.data_parallel_size_local,
+                              **side.engine_args)
+    except ValueError as e:
+        raise ValueError(f"disaggregation.{name}: {e}") from e
 
 
 _SECTIONS = ("model", "cache", "scheduler", "runner", "parallel")

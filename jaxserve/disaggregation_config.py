@@ -15,12 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
-
-if TYPE_CHECKING:
-    from jaxserve.config import EngineConfig
 
 CONNECTORS = ("inprocess", "socket")
 # How the socket connector moves KV: JAX's transfer server (device to device, across
@@ -75,7 +72,10 @@ class DisaggregationConfig:
                 "startup_timeout_s": self.startup_timeout_s}
 
 
-def normalize_disaggregation(value: Any, config: EngineConfig) -> DisaggregationConfig:
+def normalize_disaggregation(value: Any, *, coordinator_address: str | None,
+                             devices: list[int] | None) -> DisaggregationConfig:
+    """The argument in normal form. `coordinator_address` and `devices` are the engine's own
+    arguments (both must be unset); config.py then validates each side's `side_config`."""
     if isinstance(value, DisaggregationConfig):
         value = value.to_dict()
     if isinstance(value, str):
@@ -86,11 +86,10 @@ def normalize_disaggregation(value: Any, config: EngineConfig) -> Disaggregation
     if unknown:
         raise ValueError(f"disaggregation: unknown key {unknown[0]!r} (known: "
                          f"{', '.join(sorted(TOP_KEYS))})")
-    parallel = config.parallel
-    if parallel.coordinator_address is not None:
+    if coordinator_address is not None:
         raise ValueError("disaggregation: multi-host runs (coordinator_address) are not "
                          "supported")
-    if parallel.devices is not None:
+    if devices is not None:
         raise ValueError("disaggregation: give devices per side (prefill.devices, "
                          "decode.devices), not devices")
     connector = value.get("connector", "inprocess")
@@ -114,22 +113,7 @@ def normalize_disaggregation(value: Any, config: EngineConfig) -> Disaggregation
         startup_timeout_s=_positive_number(value, "startup_timeout_s", 300.0))
     if out.port > 65535:
         raise ValueError(f"disaggregation.port must be <= 65535, got {out.port}")
-    for name in SIDES:
-        side_config(config, out, name)  # the side's own engine arguments must validate too
     return out
-
-
-def side_config(config: EngineConfig, settings: DisaggregationConfig,
-                name: str) -> EngineConfig:
-    """The engine configuration of one side: the shared arguments plus the side's own."""
-    side = settings.side(name)
-    try:
-        return config.replace(disaggregation=None, devices=side.devices,
-                              tensor_parallel_size=side.tensor_parallel_size,
-                              data_parallel_size_local=side.data_parallel_size_local,
-                              **side.engine_args)
-    except ValueError as e:
-        raise ValueError(f"disaggregation.{name}: {e}") from e
 
 
 def _load_text(text: str) -> Any:

@@ -44,8 +44,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Leading blocks of each request already passed through cache_blocks (or hit).
         self.num_cached_blocks: dict[str, int] = {}
-        self.total_stats = PrefixCacheStats()
-        self._interval_stats = PrefixCacheStats()
+        self.total_stats = PrefixCacheStats()  # since start: what Scheduler.stats reports
 
     @property
     def num_blocks(self) -> int:
@@ -88,7 +87,6 @@ class KVCacheManager:
         """Count one prefix lookup in the hit-rate stats (a resumed request's is not new)."""
         if request.num_preemptions == 0:
             self.total_stats.record(request.num_tokens, num_hit_tokens)
-            self._interval_stats.record(request.num_tokens, num_hit_tokens)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[int] | None:
@@ -146,16 +144,8 @@ class KVCacheManager:
         # evicted before the shared prefix that other prompts are likely to start with.
         self.block_pool.free_blocks(reversed(blocks))
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        return self.req_to_blocks.get(request_id, [])
-
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
-
-    def take_stats(self) -> PrefixCacheStats:
-        """Stats since the previous call (the running totals stay in `total_stats`)."""
-        stats, self._interval_stats = self._interval_stats, PrefixCacheStats()
-        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

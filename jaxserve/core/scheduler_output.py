@@ -118,11 +118,6 @@ class SpecDecodingStats:
         for pos, n in enumerate(other.num_accepted_tokens_per_pos):
             per_pos[pos] += n
 
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verifying request-step: 1 (the sampled one) + accepted drafts."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
 
 @dataclass(slots=True)
 class EngineCoreOutput:

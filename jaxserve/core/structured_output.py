@@ -15,12 +15,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 
-from jaxserve.models.tokenizer import HFTokenizer, Tokenizer
 from jaxserve.sampling_params import StructuredOutputsParams
 
 MAX_CACHED_GRAMMARS = 256
@@ -31,14 +31,22 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int,
+class Vocabulary(Protocol):
+    """What structured outputs read of a tokenizer (models/tokenizer.py's `Tokenizer`)."""
+    eos_token_id: int | None
+
+    def to_json(self) -> str | None: ...
+
+
+def ll_tokenizer(tokenizer: Vocabulary, vocab_size: int,
                  eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
     """llguidance's view of our tokenizer, over the model's (possibly padded) vocabulary."""
-    if not isinstance(tokenizer, HFTokenizer):
+    vocabulary = tokenizer.to_json()
+    if vocabulary is None:
         raise ValueError(f"structured outputs: the vocabulary of a {type(tokenizer).__name__} "
                          "is not known")
     eos = [int(t) for t in eos_token_ids] or [tokenizer.eos_token_id]
-    return llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=vocab_size, eos_token=eos)
+    return llguidance.LLTokenizer(vocabulary, n_vocab=vocab_size, eos_token=eos)
 
 
 def grammar_of(params: StructuredOutputsParams) -> str:
@@ -105,7 +113,7 @@ class StructuredOutputManager:
     """Compiles grammars on a worker thread, caches them by their text (LRU), and hands each
     request its own matcher."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer: Vocabulary, vocab_size: int, eos_token_ids: Sequence[int]):
         """Building llguidance's tokenizer costs up to ~1 s for a large vocabulary: make the
         manager when the first constrained request comes."""
         self.vocab_size = vocab_size

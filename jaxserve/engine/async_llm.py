@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import DEFAULT_MAX_QUEUED_REQUESTS, AsyncEngineArgs
-from jaxserve.engine.core import EngineStats
+from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.input_processor import PromptType, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, accumulate

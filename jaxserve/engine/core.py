@@ -36,8 +36,9 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput, SpecDecodingStats
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.engine.dp_router import DPRouter
-from jaxserve.engine.kv_connector import KVConnector, KVTransferStats
+from jaxserve.engine.kv_connector import KVConnector
 from jaxserve.engine.spec_switch import SpeculationSwitch
+from jaxserve.engine.stats import EngineStats
 from jaxserve.executor.executor import Executor, PendingStep, UnexpectedCompilationError
 from jaxserve.models.loaded_model import LoadedModel
 
@@ -46,29 +47,6 @@ logger = logging.getLogger(__name__)
 
 class DeviceStateLostError(RuntimeError):
     """A step failed and took the device state with it: the engine cannot go on."""
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # mean over ranks
-    num_kv_blocks: int  # per rank
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_steps: int
-    num_compilations: int
-    warm_up_seconds: float
-    # Wall seconds per step phase since start, summed over ranks (see core/step_timing.py).
-    step_seconds: dict[str, float]
-    kv_transfer: KVTransferStats | None = None  # disaggregated decode: prefill side, KV moved
-    spec_decoding: SpecDecodingStats | None = None  # summed over ranks, with speculation on
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        queries = self.prefix_cache_queries
-        return self.prefix_cache_hits / queries if queries else 0.0
 
 
 @dataclass(slots=True)

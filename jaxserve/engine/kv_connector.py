@@ -23,9 +23,9 @@ import numpy as np
 
 from jaxserve.core.request import KVTransfer, Request
 from jaxserve.core.scheduler_output import EngineCoreOutput, KVLoad
+from jaxserve.engine.stats import EngineStats, KVTransferStats, TTFTSplit
 
 if TYPE_CHECKING:
-    from jaxserve.engine.core import EngineStats
     from jaxserve.executor.executor import Executor
 
 MAX_TIMING_SAMPLES = 10_000
@@ -46,29 +46,6 @@ class TransferredKV:
 class RemoteEvents:
     first_tokens: list[EngineCoreOutput] = field(default_factory=list)
     loaded: list[tuple[int, str]] = field(default_factory=list)  # (rank, request id)
-
-
-@dataclass(slots=True)
-class TTFTSplit:
-    """Seconds from arrival to the second token: prefill (arrival -> first token, which is
-    also the user's TTFT), transfer (first token -> KV in decode blocks, including any wait for
-    decode room), first decode (KV landed -> second token)."""
-    prefill: float
-    transfer: float
-    first_decode: float
-
-
-@dataclass(slots=True)
-class KVTransferStats:
-    prefill: EngineStats  # the prefill side's (requests holding blocks count as running)
-    num_prefilling: int  # sent to the prefill side, first token not here yet
-    num_parked: int  # first token here, waiting for decode blocks (the back-pressure queue)
-    num_transferring: int  # decode blocks allocated, KV on its way
-    num_transfers: int
-    num_blocks_moved: int  # prompt blocks hit in the decode side's prefix cache are not moved
-    transfer_bytes: int
-    transfer_seconds: float  # summed over transfers whose duration is known
-    mean_ttft_split: TTFTSplit | None
 
 
 @dataclass(slots=True)

@@ -8,9 +8,10 @@ from typing import Any
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import RequestStatus
 from jaxserve.engine.arg_utils import EngineArgs
-from jaxserve.engine.core import EngineCore, EngineStats
+from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor, PromptType
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.stats import EngineStats
 from jaxserve.models.loaded_model import LoadedModel
 from jaxserve.models.loader import load_tokenizer
 from jaxserve.models.tokenizer import Tokenizer

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxserve.engine.core import EngineStats
+from jaxserve.engine.stats import EngineStats
 
 
 @dataclass

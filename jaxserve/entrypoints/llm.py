@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.core import EngineStats
+from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.input_processor import PromptType, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics_reader import Metric, engine_metrics

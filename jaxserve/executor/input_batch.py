@@ -5,15 +5,22 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.layers.sampler import RowSpec
 
-if TYPE_CHECKING:
-    from jaxserve.executor.prompt_logprobs import PromptLogprobsAccum
+
+@dataclass(slots=True)
+class PromptLogprobsAccum:
+    """One request's prompt logprobs so far, by position (a recomputed chunk overwrites)."""
+    logprobs: np.ndarray  # f32[P - 1]
+    ranks: np.ndarray     # i32[P - 1]
+    top_ids: np.ndarray   # i32[P - 1, k]
+    top_lps: np.ndarray   # f32[P - 1, k]
+    filled: np.ndarray    # bool[P - 1]
+    emitted: bool = False
 
 
 @dataclass(slots=True)

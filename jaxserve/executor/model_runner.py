@@ -142,9 +142,6 @@ class ModelRunner:
         self.num_steps = 0
 
     # ---- one step ------------------------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collect(self.dispatch(sched))
-
     def dispatch(self, sched: SchedulerOutput) -> PendingStep | None:
         """Prepare and launch the step without waiting for the device (JAX dispatches
         asynchronously), so several data-parallel ranks can run at once."""

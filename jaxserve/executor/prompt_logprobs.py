@@ -13,18 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.core.scheduler_output import PromptLogprobs
-from jaxserve.executor.input_batch import CachedRequestState, StepArrays
-
-
-@dataclass(slots=True)
-class PromptLogprobsAccum:
-    """One request's prompt logprobs so far, by position (a recomputed chunk overwrites)."""
-    logprobs: np.ndarray  # f32[P - 1]
-    ranks: np.ndarray     # i32[P - 1]
-    top_ids: np.ndarray   # i32[P - 1, k]
-    top_lps: np.ndarray   # f32[P - 1, k]
-    filled: np.ndarray    # bool[P - 1]
-    emitted: bool = False
+from jaxserve.executor.input_batch import CachedRequestState, PromptLogprobsAccum, StepArrays
 
 
 @dataclass(slots=True)

@@ -80,6 +80,11 @@ class Tokenizer(ABC):
         that a text too long for the context is refused before it is tokenised."""
         return None
 
+    def to_json(self) -> str | None:
+        """The vocabulary as HF `tokenizers` JSON (tokenizer.json's text), which structured
+        outputs hand to llguidance; None where it has no such form."""
+        return None
+
 
 class IncrementalDetokenizer:
     """Turns a stream of output ids into text deltas (vLLM's prefix/read offset scheme).
@@ -217,6 +222,9 @@ class HFTokenizer(Tokenizer):
 
     def get_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
+
+    def to_json(self) -> str:
+        return self._tok.to_str()
 
 
 def load_hf_tokenizer(directory: str | Path, model: LlamaConfig) -> HFTokenizer | None:

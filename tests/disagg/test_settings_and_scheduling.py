@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig, side_config
 from jaxserve.core.request import KVTransfer, Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput
-from jaxserve.disaggregation_config import DisaggregationSide, side_config
+from jaxserve.disaggregation_config import DisaggregationSide
 from jaxserve.sampling_params import SamplingParams
 
 

@@ -9,7 +9,7 @@ import jax
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import EngineCoreOutput
-from jaxserve.engine.core import EngineStats
+from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.disagg.prefill_engine import PrefillEngine
 from jaxserve.engine.kv_connector import KVConnector, TransferredKV
 from jaxserve.models.loaded_model import LoadedModel

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxserve.config import EngineConfig
-from jaxserve.disaggregation_config import DisaggregationConfig, side_config
+from jaxserve.config import EngineConfig, side_config
+from jaxserve.disaggregation_config import DisaggregationConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.kv_connector import KVConnector
 from jaxserve.executor.kv_blocks import transfer_heads

@@ -15,8 +15,9 @@ import jax
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import EngineCoreOutput
-from jaxserve.engine.core import EngineCore, EngineStats
+from jaxserve.engine.core import EngineCore
 from jaxserve.engine.kv_connector import prefill_request
+from jaxserve.engine.stats import EngineStats
 from jaxserve.models.loaded_model import LoadedModel
 
 

@@ -26,7 +26,7 @@ import jax
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import EngineCoreOutput
 from jaxserve.disaggregation_config import DisaggregationConfig, DisaggregationSide
-from jaxserve.engine.core import EngineStats
+from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.disagg import jax_transfer
 from jaxserve.engine.disagg.wire import AUTHKEY_ENV, recv_kv
 from jaxserve.engine.kv_connector import KVConnector, TransferredKV
