@@ -18,7 +18,6 @@ import importlib.metadata
 import json
 import os
 import pickle
-import queue
 import threading
 import weakref
 from concurrent.futures import Future
@@ -133,9 +132,7 @@ class LoadedPrograms:
         self._devices = devices
         self._loaded: dict[Any, Any] = {}
         self._queued: dict[Any, Future[Any]] = {}
-        self._to_load: queue.SimpleQueue[tuple[Any, Future[Any]]] = queue.SimpleQueue()
         self._loader: threading.Thread | None = None
-        self._loader_lock = threading.Lock()
 
     def __contains__(self, key: Any) -> bool:
         return key in self._payloads
@@ -154,30 +151,20 @@ class LoadedPrograms:
 
     def load_in_background(self, keys: list[Any]) -> None:
         """Deserialise these programs one after another on a background thread (deserialising
-        lets go of the GIL), so the engine can read its weights or run steps meanwhile."""
-        with self._loader_lock:
-            for key in dict.fromkeys(keys):
-                if key in self._payloads and key not in self._loaded and key not in self._queued:
-                    self._queued[key] = Future()
-                    self._to_load.put((key, self._queued[key]))
-            if self._loader is None and not self._to_load.empty():
-                # A daemon thread, so a process can exit with programs still queued; the exit
-                # waits for the one being deserialised (stop_loading), as a thread killed
-                # inside XLA aborts the process.
-                self._loader = threading.Thread(target=self._load_queued, daemon=True,
-                                                name="jaxserve-programs")
-                self._loader.start()
-                atexit.register(_stop_loading, weakref.ref(self))
+        lets go of the GIL), so the engine can read its weights meanwhile. A daemon thread,
+        so a process can exit with programs still queued; the exit waits for the one being
+        deserialised (`stop_loading`), as a thread killed inside XLA aborts the process."""
+        self._queued = {key: Future() for key in dict.fromkeys(keys) if key in self._payloads}
+        self._loader = threading.Thread(target=self._load_queued, daemon=True,
+                                        args=(list(self._queued.items()),),
+                                        name="jaxserve-programs")
+        self._loader.start()
+        atexit.register(_stop_loading, weakref.ref(self))
 
-    def _load_queued(self) -> None:
-        # Niced: the weights being read and the engine's own steps come first.
+    def _load_queued(self, queued: list[tuple[Any, Future[Any]]]) -> None:
+        # Niced: the weights being read and the engine's first steps come first.
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        while True:
-            with self._loader_lock:
-                if self._to_load.empty():
-                    self._loader = None
-                    return
-                key, future = self._to_load.get()
+        for key, future in queued:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(self._deserialize(key))
@@ -185,19 +172,12 @@ class LoadedPrograms:
                     future.set_exception(e)
 
     def stop_loading(self) -> None:
-        """Cancel the programs queued for the background thread and wait for the one it is
-        deserialising."""
-        with self._loader_lock:
-            for future in self._queued.values():
-                future.cancel()
-            loader = self._loader
-        if loader is not None:
-            loader.join()
-
-    def ready(self, key: Any) -> bool:
-        """Whether `get(key)` returns without deserialising or waiting."""
-        queued = self._queued.get(key)
-        return key in self._loaded or (queued is not None and queued.done())
+        """Cancel the programs still queued for the background thread and wait for the one it
+        is deserialising."""
+        for future in self._queued.values():
+            future.cancel()
+        if self._loader is not None:
+            self._loader.join()
 
     def get(self, key: Any, default: Any = None) -> Any:
         if key not in self._payloads:

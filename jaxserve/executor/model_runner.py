@@ -43,7 +43,7 @@ from jaxserve.executor.input_batch import InputBatch, StepArrays
 from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_blocks,
                                          padded_block_ids, scatter_blocks)
 from jaxserve.executor.packing import PackedLayout, pack
-from jaxserve.executor.program_order import ReadyBuckets, planned_programs
+from jaxserve.executor.program_order import planned_programs
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.executor.spec_verify import accepted_tokens
 from jaxserve.executor.targets import chip_of
@@ -133,7 +133,6 @@ class ModelRunner:
         self.running_rows: dict[str, tuple[int, int]] = {}
         # Programs built ahead of time (a compiled directory), called directly: no tracing.
         self.executables: dict[ProgramKey, Any] | LoadedPrograms = {}
-        self.ready_buckets = ReadyBuckets(config, self.max_blocks_per_seq)
         self.compiled_shapes: set[tuple[Any, ...]] = set()
         self.timings = StepTimings()
         self._last_step: _LastStep | None = None
@@ -149,8 +148,8 @@ class ModelRunner:
             self.batch.update(sched)
             if sched.is_empty:
                 return None
-            arrays = self.batch.prepare(sched, *self._buckets(sched), self.running_rows,
-                                        self.num_drafts)
+            arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets,
+                                        self.running_rows, self.num_drafts)
             rows = self.batch.rows(arrays)
             # One logprobs width for every step that wants any: one shape.
             wants_logprobs = any(row.params.logprobs is not None for row in rows)
@@ -191,19 +190,6 @@ class ModelRunner:
             arrays.req_ids, tokens,
             self._logprobs(out, rows, arrays.sample_starts, tokens) if wants_logprobs else None,
             finished_prompt_logprobs(arrays, self.batch.requests))
-
-    def _buckets(self, sched: SchedulerOutput) -> tuple[list[int], list[int]]:
-        """The token and request buckets this step may take: all of them, or from a compiled
-        directory, while the step's own bucket's program loads, a loaded larger one
-        (program_order.py)."""
-        programs = self.executables
-        if isinstance(programs, LoadedPrograms) and not self.num_drafts:
-            ready = self.ready_buckets.choose(
-                programs, sum(sched.num_scheduled_tokens.values()),
-                len(sched.num_scheduled_tokens))
-            if ready is not None:
-                return [ready[0]], [ready[1]]
-        return self.token_buckets, self.request_buckets
 
     def _run(self, arrays: StepArrays, sampling: SamplingMetadata,
              prompt_plan: PromptLogprobsPlan | None = None,

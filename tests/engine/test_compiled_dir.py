@@ -8,6 +8,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,37 +106,38 @@ def test_an_engine_from_a_compiled_dir_compiles_nothing_and_gives_the_same_token
     assert len(sampled.outputs[0].logprobs) == 4
 
 
-def wait_until_ready(programs: compiled_dir.LoadedPrograms, key: object) -> None:
-    deadline = time.monotonic() + 120
-    while not programs.ready(key):
-        assert time.monotonic() < deadline, "the background load did not finish"
-        time.sleep(0.05)
-
-
-def test_a_step_whose_program_is_not_loaded_runs_in_a_loaded_larger_one_meanwhile(built):
-    """A start from a directory loads the KV pool's program, the largest step's and its
-    sampler's on a background thread while the weights are read. A step whose own bucket's
-    program is not loaded runs in a loaded larger bucket (padding changes no token) while its
-    own loads behind it, then in its own."""
+def test_the_decode_program_loads_in_the_background_while_the_weights_are_read(
+        built, monkeypatch):
+    """A start from a directory deserialises the KV pool's program, the one-token decode
+    step's and its sampler's on a background thread; a request's prefill program loads when
+    the request comes. Tokens: HF's."""
     path, out = built
+    loads: list[tuple[str, object]] = []
+    deserialize = compiled_dir.LoadedPrograms._deserialize
+
+    def recorded(self: compiled_dir.LoadedPrograms, key: object) -> object:
+        program = deserialize(self, key)
+        loads.append((threading.current_thread().name, key))
+        return program
+
+    monkeypatch.setattr(compiled_dir.LoadedPrograms, "_deserialize", recorded)
     llm = LLM(str(path), compiled_dir=str(out), precompile=True, strict_compile=True,
               **ENGINE)
     runner = llm.engine.core.executor.worker.runner
-    programs = runner.executables
-    largest, own = (step_key(StepArrays.empty(T, 4, runner.max_blocks_per_seq))
-                    for T in (32, 16))
-    assert first_programs(runner.warm_up_programs())[:2] == [compiled_dir.KV_INIT, largest]
-    wait_until_ready(programs, largest)
-    assert not programs.ready(own)
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    expected = hf_greedy(path, [[5, 6, 7]], 1)[0]
-    first = llm.generate({"prompt_token_ids": [5, 6, 7]}, one, use_tqdm=False)[0]
-    assert len(runner._last_step.arrays.input_ids) == 32
-    wait_until_ready(programs, own)
-    again = llm.generate({"prompt_token_ids": [5, 6, 7]}, one, use_tqdm=False)[0]
-    assert len(runner._last_step.arrays.input_ids) == 16
-    assert first.outputs[0].token_ids == again.outputs[0].token_ids == expected
-    assert llm.stats().num_compilations == 0
+    # buckets of 16 and 32 tokens: a decode step takes the first, a 20-token prompt the second
+    decode, prefill = (step_key(StepArrays.empty(T, 4, runner.max_blocks_per_seq))
+                       for T in (16, 32))
+    first = first_programs(runner.warm_up_programs())
+    assert first[:2] == [compiled_dir.KV_INIT, decode]
+    deadline = time.monotonic() + 120
+    while ("jaxserve-programs", first[-1]) not in loads:
+        assert time.monotonic() < deadline, f"background loads: {loads}"
+        time.sleep(0.05)
+    prompt = list(range(5, 25))
+    got = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == hf_greedy(path, [prompt], 8)[0]
+    assert ("jaxserve-programs", decode) in loads and ("MainThread", prefill) in loads
+    assert ("MainThread", decode) not in loads and llm.stats().num_compilations == 0
 
 
 def run_speculative_from_dir(path: Path, spec: dict, prompts: list[list[int]], out: Path,
