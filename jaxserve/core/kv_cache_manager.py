@@ -58,11 +58,11 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
-    def find_cached_prefix(self, request: Request) -> list[KVCacheBlock]:
-        """The cached blocks of the request's longest cached prefix (no references, no stats):
-        also what data-parallel routing compares across ranks."""
+    def find_cached_prefix(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The cached blocks of the request's longest cached prefix and the tokens they hold (no
+        references, no stats): also what data-parallel routing compares across ranks."""
         if not self.enable_caching:
-            return []
+            return [], 0
         self._check_request(request)
         # At least one token must be computed so the step produces logits for this request.
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -72,14 +72,14 @@ class KVCacheManager:
             if block is None:
                 break  # the chain makes every later block a miss too
             hits.append(block)
-        return hits
+        return hits, len(hits) * self.block_size
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request's full blocks; takes no references."""
+        """Longest cached prefix of the request's full blocks, counted in the hit-rate stats;
+        takes no references."""
         if not self.enable_caching:
             return [], 0
-        hits = self.find_cached_prefix(request)
-        num_hit_tokens = len(hits) * self.block_size
+        hits, num_hit_tokens = self.find_cached_prefix(request)
         self.record_query(request, num_hit_tokens)
         return hits, num_hit_tokens
 

@@ -38,8 +38,7 @@ class RemoteKVScheduling:
         (prompt + that token), hitting this side's prefix cache first; the prompt blocks past
         the hit become a KVLoad of this step. False, with nothing changed, when the pool is
         full (the lookup counts in the stats once it succeeds: it is retried every step)."""
-        hits = self.kv.find_cached_prefix(request)
-        num_hit = len(hits) * self.kv.block_size
+        hits, num_hit = self.kv.find_cached_prefix(request)
         if self.kv.allocate_slots(request, request.num_tokens - num_hit, hits) is None:
             return False
         self.kv.record_query(request, num_hit)

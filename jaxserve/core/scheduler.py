@@ -313,7 +313,7 @@ class Scheduler(RemoteKVScheduling):
             return True  # its blocks are taken already
         needed = -(-request.num_tokens // self.kv.block_size)
         # A cached block nobody holds is already one of the free blocks: count it once.
-        held = sum(1 for block in self.kv.find_cached_prefix(request) if block.ref_cnt > 0)
+        held = sum(1 for block in self.kv.find_cached_prefix(request)[0] if block.ref_cnt > 0)
         return needed <= self.kv.num_free_blocks + held
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:

@@ -34,7 +34,7 @@ class DPRouter:
     def _pick(self, request: Request) -> int:
         if len(self.schedulers) == 1:
             return 0
-        hits = [len(s.kv.find_cached_prefix(request)) for s in self.schedulers]
+        hits = [s.kv.find_cached_prefix(request)[1] for s in self.schedulers]
         loads = [rank_load(s) for s in self.schedulers]
         # Longest hit first; among equal hits (no hit at all included), the lightest load.
         return min(range(len(self.schedulers)), key=lambda r: (-hits[r], loads[r], r))
