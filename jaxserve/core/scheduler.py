@@ -311,10 +311,8 @@ class Scheduler(RemoteKVScheduling):
             return False
         if request.request_id in self._holding:
             return True  # its blocks are taken already
-        needed = -(-request.num_tokens // self.kv.block_size)
-        # A cached block nobody holds is already one of the free blocks: count it once.
-        held = sum(1 for block in self.kv.find_cached_prefix(request)[0] if block.ref_cnt > 0)
-        return needed <= self.kv.num_free_blocks + held
+        hits, num_hit = self.kv.find_cached_prefix(request)
+        return self.kv.can_allocate(request, request.num_tokens - num_hit, hits)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if self._phase is not None and (self._phase == "prefill") != _is_prefilling(request):

@@ -116,6 +116,47 @@ def test_allocate_fails_without_side_effects_for_a_running_request() -> None:
     assert snapshot(mgr) == before
 
 
+def test_can_allocate_a_cached_prompt_in_fewer_free_blocks() -> None:
+    mgr = KVCacheManager(7, BS)  # 6 usable blocks
+    admit(mgr, make_req(mgr, "a", list(range(8))))  # 2 cached blocks, held by "a"
+    b = make_req(mgr, "b", list(range(8)) + [50] * 12)  # 5 blocks, the first 2 cached
+    assert mgr.num_free_blocks == 4
+    assert not mgr.can_allocate(b, b.num_tokens)  # without the hit: 5 new blocks > 4 free
+    hits, num_hit = mgr.find_cached_prefix(b)
+    before = snapshot(mgr)
+    assert mgr.can_allocate(b, b.num_tokens - num_hit, hits)  # with it: 3 new blocks
+    assert snapshot(mgr) == before
+    assert mgr.allocate_slots(b, b.num_tokens - num_hit, hits) is not None
+
+
+def test_can_allocate_needs_no_free_block_for_a_hit_a_running_request_holds() -> None:
+    # "a" holds the 2 hit blocks: they are neither free blocks nor ones the new request takes,
+    # so only b's 3 new blocks count against the 3 free ones (not 3 + 2).
+    mgr = KVCacheManager(6, BS)  # 5 usable blocks
+    admit(mgr, make_req(mgr, "a", list(range(8))))
+    b = make_req(mgr, "b", list(range(8)) + [50] * 12)
+    hits, num_hit = mgr.find_cached_prefix(b)
+    assert all(block.ref_cnt == 1 for block in hits) and mgr.num_free_blocks == 3
+    assert mgr.can_allocate(b, b.num_tokens - num_hit, hits)
+    assert mgr.allocate_slots(b, b.num_tokens - num_hit, hits) is not None
+    assert mgr.num_free_blocks == 0 and all(block.ref_cnt == 2 for block in hits)
+
+
+@pytest.mark.parametrize("num_extra, fits", [(8, True), (9, False)])
+def test_can_allocate_at_an_exactly_full_pool(num_extra: int, fits: bool) -> None:
+    mgr = KVCacheManager(5, BS)  # 4 usable blocks
+    a = make_req(mgr, "a", list(range(9)))
+    admit(mgr, a)
+    mgr.free(a)  # its 2 full blocks stay cached, in the free queue
+    b = make_req(mgr, "b", list(range(8)) + [50] * num_extra)
+    hits, num_hit = mgr.find_cached_prefix(b)
+    assert num_hit == 8 and all(block.ref_cnt == 0 for block in hits)
+    # 2 free hit blocks (each one of the 4 free blocks, counted once) + 2 or 3 new blocks.
+    assert mgr.can_allocate(b, b.num_tokens - num_hit, hits) is fits
+    assert (mgr.allocate_slots(b, b.num_tokens - num_hit, hits) is not None) is fits
+    assert mgr.num_free_blocks == (0 if fits else 4)
+
+
 def test_same_prompt_admitted_in_same_step_gets_distinct_correct_blocks() -> None:
     mgr = KVCacheManager(16, BS)
     prompt = list(range(100, 110))
