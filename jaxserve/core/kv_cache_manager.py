@@ -154,6 +154,12 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
 
+    def get_block_span(self, request_id: str, start: int, end: int) -> tuple[int, list[int]]:
+        """The request's blocks holding its tokens start..end-1: the first one's index in the
+        request's blocks, and their ids."""
+        first, stop = start // self.block_size, -(-end // self.block_size)
+        return first, self.get_block_ids(request_id)[first:stop]
+
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 

@@ -44,9 +44,9 @@ class RemoteKVScheduling:
         self.kv.record_query(request, num_hit)
         self._holding.add(request.request_id)
         request.num_computed_tokens = num_hit
-        block_size = self.kv.block_size
-        first, end = num_hit // block_size, -(-(request.num_tokens - 1) // block_size)
-        block_ids = self.kv.get_block_ids(request.request_id)[first:end]
+        # The prompt past the hit (the first token's KV is computed here: the next input).
+        first, block_ids = self.kv.get_block_span(request.request_id, num_hit,
+                                                  request.num_tokens - 1)
         if block_ids:
             self._loads.append(KVLoad(request.request_id, block_ids, first))
         else:  # the whole prompt was a hit here: nothing to move

@@ -157,6 +157,15 @@ def test_can_allocate_at_an_exactly_full_pool(num_extra: int, fits: bool) -> Non
     assert mgr.num_free_blocks == (0 if fits else 4)
 
 
+@pytest.mark.parametrize("start, end, span", [(0, 10, (0, [0, 1, 2])), (4, 9, (1, [1, 2])),
+                                               (8, 8, (2, [])), (0, 4, (0, [0]))])
+def test_block_span_covers_the_tokens_asked(start: int, end: int, span: tuple) -> None:
+    mgr = KVCacheManager(8, BS)
+    ids = admit(mgr, make_req(mgr, "a", list(range(10))))
+    first, block_ids = mgr.get_block_span("a", start, end)
+    assert (first, [ids.index(i) for i in block_ids]) == span
+
+
 def test_same_prompt_admitted_in_same_step_gets_distinct_correct_blocks() -> None:
     mgr = KVCacheManager(16, BS)
     prompt = list(range(100, 110))
