@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 
 from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.core.block_pool import KVCacheBlock
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.draft_policy import DraftPolicy
 from jaxserve.core.request import KVTransfer, Request, RequestStatus
@@ -30,6 +32,13 @@ from jaxserve.core.remote_kv_scheduling import RemoteKVScheduling
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.core.stop_check import grammar_status, stop_status
 from jaxserve.core.structured_output import grammar_bitmask
+
+
+class Hold(Enum):
+    """Why a waiting request is not admitted this step."""
+    DEFER = "defer"  # set aside: back at the front of the queue after this step
+    STOP = "stop"  # nothing behind it is admitted either (first come first served)
+    FAIL = "fail"  # it can never run: finished with its error
 
 
 @dataclass(slots=True)
@@ -226,70 +235,95 @@ class Scheduler(RemoteKVScheduling):
         # count a query in the hit-rate stats on every step the cap holds the request back).
         while self.waiting and budget > 0 and not self._prefill_cap_reached(prefills):
             request = self.waiting[0]
-            holds_blocks = request.request_id in self._holding
-            seats = len(self.running) + len(self._holding) - holds_blocks
-            if seats >= self.config.max_num_seqs or 0 < self.max_sending <= len(self.sending):
+            hold = self._hold(request, prefilling)
+            if hold is Hold.STOP:
                 break
-            if self._unsettled.get(request.request_id, 0) > self._num_updated:
-                deferred.append(self.waiting.popleft())  # its id's old owner is in flight
-                continue
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                # Skip it, taking its blocks first if its first token is here (or stop here,
-                # first come first served, when the pool is full).
-                if not self._waits_on_remote(request) and not self._allocate_for_load(request):
-                    break
+            if hold is Hold.DEFER:
                 deferred.append(self.waiting.popleft())
                 continue
-            so = request.structured_output
-            if so is not None and not so.ready():
-                deferred.append(self.waiting.popleft())  # its grammar is still compiling
+            if hold is Hold.FAIL:
+                self._fail(self.waiting.popleft())
                 continue
-            if so is not None and so.error is not None:
-                self._free(self.waiting.popleft(), RequestStatus.FINISHED_ERROR)
-                self._failed.append(EngineCoreOutput(request.request_id, [],
-                                                     finish_reason="error", error=so.error))
-                continue
-            if request.group_id is not None and request.group_id in prefilling:
-                # A sibling (n > 1) is computing the shared prompt: wait one step, then hit
-                # its blocks in the prefix cache instead of computing the prompt again.
-                deferred.append(self.waiting.popleft())
-                continue
-            if holds_blocks:  # its KV was moved here from the prefill side
-                hit_blocks, num_hit = [], request.num_computed_tokens
-            else:
-                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-                if getattr(request.sampling_params, "prompt_logprobs", None) is not None:
-                    hit_blocks, num_hit = [], 0  # as vLLM: the prompt's logits are all needed
-            num_new = request.num_tokens - num_hit
-            if self.config.long_prefill_token_threshold > 0:
-                num_new = min(num_new, self.config.long_prefill_token_threshold)
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            admitted = self._admit(request, budget)
+            if admitted is None:
                 break
-            num_new = min(num_new, budget)
-            block_ids = self.kv.allocate_slots(request, num_new, hit_blocks)
-            if block_ids is None:
-                break
-            self.waiting.popleft()
-            self._holding.discard(request.request_id)
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            if request.group_id is not None:
-                prefilling.add(request.group_id)
-            new_reqs.append(NewRequestData(
-                req_id=request.request_id, token_ids=list(request.all_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=request.sampling_params, seed=request.seed,
-                num_output_tokens=request.num_output_tokens,
-                block_ids=self.kv.get_block_ids(request.request_id),
-                num_computed_tokens=num_hit))
+            new_req, num_new = admitted
+            new_reqs.append(new_req)
             num_scheduled[request.request_id] = num_new
             prefills.add(request.request_id)
+            if request.group_id is not None:
+                prefilling.add(request.group_id)
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
         return budget
+
+    # ---- the pre-filter: why the request at the head of the queue is not admitted now ------
+    def _hold(self, request: Request, prefilling: set[str | None]) -> Hold | None:
+        """None: it may be admitted, if it fits. The first reason found wins."""
+        if not self._has_seat(request):
+            return Hold.STOP
+        if self._unsettled.get(request.request_id, 0) > self._num_updated:
+            return Hold.DEFER  # its id's old owner is in flight
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return self._remote_kv_hold(request)
+        return _grammar_hold(request) or _sibling_hold(request, prefilling)
+
+    def _has_seat(self, request: Request) -> bool:
+        """A seat among max_num_seqs (requests holding blocks take one), and, on the prefill
+        side, fewer than max_sending requests whose blocks wait to be sent."""
+        holds_blocks = request.request_id in self._holding
+        seats = len(self.running) + len(self._holding) - holds_blocks
+        return seats < self.config.max_num_seqs and not 0 < self.max_sending <= len(self.sending)
+
+    def _remote_kv_hold(self, request: Request) -> Hold:
+        """Decode side: skipped, taking its blocks first if its first token is here (or stop
+        here, first come first served, when the pool is full)."""
+        if not self._waits_on_remote(request) and not self._allocate_for_load(request):
+            return Hold.STOP
+        return Hold.DEFER
+
+    def _fail(self, request: Request) -> None:
+        """It can never run (its grammar did not compile): reported by the next update."""
+        self._free(request, RequestStatus.FINISHED_ERROR)
+        self._failed.append(EngineCoreOutput(request.request_id, [], finish_reason="error",
+                                             error=request.structured_output.error))
+
+    # ---- the admission ---------------------------------------------------------------------
+    def _admit(self, request: Request, budget: int) -> tuple[NewRequestData, int] | None:
+        """Move the request at the head of the queue to running with its prefix hit and up to
+        `budget` new tokens. None, with nothing changed but the lookup's stats, when it does
+        not fit."""
+        hit_blocks, num_hit = self._prefix_hit(request)
+        num_new = request.num_tokens - num_hit
+        if self.config.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+            return None
+        self.waiting.popleft()
+        self._holding.discard(request.request_id)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        return NewRequestData(
+            req_id=request.request_id, token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params, seed=request.seed,
+            num_output_tokens=request.num_output_tokens,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            num_computed_tokens=num_hit), num_new
+
+    def _prefix_hit(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        if request.request_id in self._holding:  # its KV was moved here from the prefill side
+            return [], request.num_computed_tokens
+        hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        if getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+            return [], 0  # as vLLM: the prompt's logits are all needed
+        return hit_blocks, num_hit
 
     def _v0_phase(self) -> str | None:
         """Without mixed batching a step is all prefill (whenever any is pending, as in V0) or
@@ -414,6 +448,23 @@ class Scheduler(RemoteKVScheduling):
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage,
                               totals.queries, totals.hits, self.num_preemptions, self.num_steps,
                               self.draft_policy and self.draft_policy.stats)
+
+
+def _grammar_hold(request: Request) -> Hold | None:
+    so = request.structured_output
+    if so is None:
+        return None
+    if not so.ready():
+        return Hold.DEFER  # its grammar is still compiling
+    return Hold.FAIL if so.error is not None else None
+
+
+def _sibling_hold(request: Request, prefilling: set[str | None]) -> Hold | None:
+    """A sibling (n > 1) is computing the shared prompt: wait one step, then hit its blocks in
+    the prefix cache instead of computing the prompt again."""
+    if request.group_id is not None and request.group_id in prefilling:
+        return Hold.DEFER
+    return None
 
 
 def _is_prefilling(request: Request) -> bool:
