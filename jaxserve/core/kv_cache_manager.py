@@ -91,28 +91,18 @@ class KVCacheManager:
     def can_allocate(self, request: Request, num_new_tokens: int,
                      new_computed_blocks: list[KVCacheBlock] | None = None) -> bool:
         """Whether `allocate_slots` with these arguments would succeed now."""
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        hits = new_computed_blocks or []
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        if hits:
-            self._check_hits(request, blocks, hits)
-        num_new = self._num_new_blocks(request, num_new_tokens, blocks, hits)
-        # A hit block nobody holds sits in the free queue: touching it takes it out of the pool
-        # too (it is one of the free blocks, so it counts once).
-        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
-        return num_new + num_free_hits <= self.block_pool.get_num_free_blocks()
+        return self._blocks_to_take(request, num_new_tokens, new_computed_blocks) is not None
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[int] | None:
         """Grow the request's blocks to fit its computed tokens, the hit blocks and
         `num_new_tokens` more. Returns the ids appended (hits first), or None with nothing
         changed when the pool is short of blocks."""
-        if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
+        num_new = self._blocks_to_take(request, num_new_tokens, new_computed_blocks)
+        if num_new is None:
             return None
         hits = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
-        num_new = self._num_new_blocks(request, num_new_tokens, blocks, hits)
         self.block_pool.touch(hits)
         new_blocks = self.block_pool.get_new_blocks(num_new)
         if request.request_id not in self.req_to_blocks:
@@ -163,10 +153,22 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
-    def _num_new_blocks(self, request: Request, num_new_tokens: int,
-                        blocks: list[KVCacheBlock], hits: list[KVCacheBlock]) -> int:
+    def _blocks_to_take(self, request: Request, num_new_tokens: int,
+                        new_computed_blocks: list[KVCacheBlock] | None) -> int | None:
+        """The new blocks allocate_slots would take from the pool, or None when it is short."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        hits = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if hits:
+            self._check_hits(request, blocks, hits)
         num_tokens = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        return max(0, -(-num_tokens // self.block_size) - len(blocks) - len(hits))
+        num_new = max(0, -(-num_tokens // self.block_size) - len(blocks) - len(hits))
+        # A hit block nobody holds sits in the free queue: touching it takes it out of the pool
+        # too (it is one of the free blocks, so it counts once).
+        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
+        return num_new if num_new + num_free_hits <= self.block_pool.get_num_free_blocks() \
+            else None
 
     def _check_request(self, request: Request) -> None:
         if request.block_size != self.block_size:
