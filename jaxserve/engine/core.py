@@ -40,6 +40,7 @@ from jaxserve.engine.kv_connector import KVConnector
 from jaxserve.engine.spec_switch import SpeculationSwitch
 from jaxserve.engine.stats import EngineStats
 from jaxserve.executor.executor import Executor, PendingStep, UnexpectedCompilationError
+from jaxserve.executor.resolved import check_pool_holds_a_sequence
 from jaxserve.models.loaded_model import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -290,13 +291,3 @@ def _sum_spec_stats(per_rank: list[SpecDecodingStats | None]) -> SpecDecodingSta
     for stats in per_rank:
         total.add(stats)
     return total
-
-
-def check_pool_holds_a_sequence(num_blocks: int, max_model_len: int, block_size: int) -> None:
-    """A pool that cannot hold one max_model_len sequence lets a long prompt wait forever (it
-    blocks the FCFS queue) and a request that outgrows the pool preempt itself forever."""
-    blocks_per_seq = -(-max_model_len // block_size)
-    if num_blocks < blocks_per_seq + 1:
-        raise ValueError(f"num_kv_blocks ({num_blocks}) must hold one max_model_len "
-                         f"({max_model_len}) sequence: at least {blocks_per_seq} + 1 (the null "
-                         "block); lower max_model_len or add blocks")

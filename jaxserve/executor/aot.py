@@ -17,6 +17,7 @@ from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.device_step import STEP_LOGITS, ProgramKey, step_key
 from jaxserve.executor.step_shapes import num_speculative_tokens, step_buckets, warm_up_programs
 from jaxserve.executor.packing import pack
+from jaxserve.executor.resolved import resolve_max_model_len
 from jaxserve.executor.targets import Target
 from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.models.llama_config import LlamaConfig
@@ -72,7 +73,7 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
     programs[compiled_dir.KV_INIT] = jax.jit(
         lambda: tuple(jnp.zeros(kv.shape, kv.dtype) for kv in caches),
         out_shardings=tuple(kv.sharding for kv in caches)).trace().lower().compile()
-    max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+    max_model_len = resolve_max_model_len(config, cfg)
     fp = compiled_dir.fingerprint(
         config, device_model_config(cfg, config.parallel.tensor_parallel_size),
         platform=target.platform,

@@ -35,7 +35,7 @@ from jaxserve.executor.draft_model import FIELD as DRAFT_FIELD, check_draft, rea
 from jaxserve.executor.sharding import (AXIS, padded_vocab_size,
                                            param_sharding, validate_tensor_parallel)
 from jaxserve.executor.mesh import tp_mesh
-from jaxserve.executor.model_runner import dtype_of
+from jaxserve.executor.resolved import min_kv_blocks, resolve_dtype, resolve_max_model_len
 from jaxserve.executor.step_shapes import (bucket_pairs, num_speculative_tokens, step_buckets,
                                            step_variants)
 from jaxserve.executor.step_program import (ModelParts, StepProgram, kv_blocks_for,
@@ -216,10 +216,6 @@ def compile_bucket(program: StepProgram, num_tokens: int, num_reqs: int,
 
 
 # ---- the whole check -----------------------------------------------------------------------
-def accelerator_dtype(config: EngineConfig) -> Any:
-    return jnp.bfloat16 if config.model.dtype == "auto" else dtype_of(config.model.dtype)
-
-
 def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: str = "kernel",
             attention_tiles: dict[str, int] | None = None,
             ) -> tuple[StepProgram, CompileReport]:
@@ -233,10 +229,9 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
                          f"{len(target.devices)}")
     cfg = device_model_config(cfg, tp)
     mesh = tp_mesh(list(target.devices[:tp]))
-    max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+    max_model_len = resolve_max_model_len(config, cfg)
     bs = config.cache.block_size
-    min_blocks = -(-max_model_len // bs) + 1
-    dtype = accelerator_dtype(config)
+    dtype = resolve_dtype(config, target.platform)
     backend = get_attention_backend(config.runner.attention_backend, target.platform, mesh,
                                     decode_rows=1 + num_speculative_tokens(config))
     if kv_write == "scatter":
@@ -263,8 +258,8 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
             raise ValueError(f"the largest step does not compile on {target.name}: "
                              f"{_first_line(e)}") from None
         planned = target.hbm_bytes * planning_fraction(target.platform, utilization, allocator)
-        num_blocks = max(min_blocks, kv_blocks_for(int(planned), weight_bytes, step,
-                                                   block_bytes))
+        num_blocks = max(min_kv_blocks(max_model_len, bs),
+                         kv_blocks_for(int(planned), weight_bytes, step, block_bytes))
     program = step_program(model, config, backend, num_blocks, max_model_len, draft)
     layer_kv_bytes = min(kv_cache_bytes_per_block(c, bs, dtype) * num_blocks
                          // (2 * c.num_layers * tp) for c in cfgs)
@@ -291,7 +286,7 @@ def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
     tp = config.parallel.tensor_parallel_size
     context = CostContext(target.chip, device_model_config(cfg, tp), tp, report.weight_bytes,
                           jnp.dtype(report.dtype).itemsize, padded_vocab_size(cfg.vocab_size, tp),
-                          config.model.max_model_len or cfg.max_position_embeddings,
+                          resolve_max_model_len(config, cfg),
                           step_buckets(config)[0])
     k = num_speculative_tokens(config)
     for T, R in buckets or bucket_pairs(*step_buckets(config)):

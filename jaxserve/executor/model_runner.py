@@ -23,9 +23,7 @@ import weakref
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
@@ -44,6 +42,7 @@ from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_block
                                          padded_block_ids, scatter_blocks)
 from jaxserve.executor.packing import PackedLayout, pack
 from jaxserve.executor.program_order import planned_programs
+from jaxserve.executor.resolved import blocks_per_seq
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.executor.spec_verify import accepted_tokens
 from jaxserve.executor.targets import chip_of
@@ -112,7 +111,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         block_size = config.cache.block_size
         self.max_model_len = max_model_len
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_blocks_per_seq = blocks_per_seq(max_model_len, block_size)
         self.batch = InputBatch(block_size, self.max_blocks_per_seq)
         self.block_buckets = block_buckets(self.max_blocks_per_seq)
         self.token_buckets, self.request_buckets = step_buckets(config)
@@ -385,9 +384,3 @@ class ModelRunner:
         inputs, layout = pack(sampling)
         return _sample.trace(layout, logits, self.prev, sample_rows_shape(logits.shape[0]),
                              inputs).lower().compile()
-
-
-def dtype_of(name: str) -> Any:
-    if name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return jnp.dtype(name)

@@ -11,6 +11,7 @@ from jaxserve.executor.compiled_dir import KV_INIT
 from jaxserve.executor.device_step import ProgramKey, step_key
 from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.packing import pack
+from jaxserve.executor.resolved import blocks_per_seq
 from jaxserve.executor.step_shapes import num_speculative_tokens, step_buckets, warm_up_programs
 from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.models.llama_config import LlamaConfig
@@ -21,7 +22,8 @@ def planned_programs(config: EngineConfig, cfg: LlamaConfig, max_model_len: int,
     """The steps warm-up runs for an engine with this model (`warm_up_programs`)."""
     token_buckets, request_buckets = step_buckets(config)
     return warm_up_programs(token_buckets, request_buckets,
-                            -(-max_model_len // config.cache.block_size), cfg.eos_token_ids,
+                            blocks_per_seq(max_model_len, config.cache.block_size),
+                            cfg.eos_token_ids,
                             config.model.max_logprobs, cfg.vocab_size,
                             num_speculative_tokens(config))
 

@@ -24,6 +24,7 @@ from jaxserve.executor.device_step import (PrevSamples, StepStatics, _sample, _s
 from jaxserve.executor.step_shapes import (bucket_pairs, max_sample_rows, num_speculative_tokens,
                                            step_buckets, step_variants)
 from jaxserve.executor.packing import pack
+from jaxserve.executor.resolved import blocks_per_seq, min_kv_blocks
 from jaxserve.executor.targets import chip_of
 from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.layers.attention import AttentionBackend
@@ -120,7 +121,7 @@ def step_program(target: ModelParts, config: EngineConfig, backend: AttentionBac
     elif plain.ngram is not None:
         draft_kv = (token_cache_shape(num_blocks, bs, mesh),)
     return StepProgram(plain, _abstract(target.state), _kv(target, num_blocks, bs, kv_sharding),
-                       PrevSamples(rows, rows), -(-max_model_len // bs), drafting,
+                       PrevSamples(rows, rows), blocks_per_seq(max_model_len, bs), drafting,
                        None if draft is None else _abstract(draft.state), draft_kv)
 
 
@@ -135,7 +136,7 @@ def largest_step_bytes(target: ModelParts, config: EngineConfig, backend: Attent
     """What the engine's largest step needs per device beside the weights and the KV pool:
     its temporaries, inputs and outputs (the draft model's passes included), compiled over a
     minimal KV pool (they do not grow with the pool: the caches are updated in place)."""
-    min_blocks = -(-max_model_len // config.cache.block_size) + 1
+    min_blocks = min_kv_blocks(max_model_len, config.cache.block_size)
     program = step_program(target, config, backend, min_blocks, max_model_len, draft)
     T, R = max(bucket_pairs(*step_buckets(config)))
     compiled = program.compile(T, R, *step_variants(T, R, num_speculative_tokens(config))[-1])

@@ -26,8 +26,10 @@ from jaxserve.executor.draft_model import FIELD as DRAFT_FIELD, load_draft, plac
 from jaxserve.executor.host_memory import CPU_KV_MEMORY_FRACTION, available_host_bytes
 from jaxserve.executor.huge_pages import place_zeroed_on_huge_pages
 from jaxserve.executor.mesh import rank_meshes
-from jaxserve.executor.model_runner import ModelRunner, PendingStep, dtype_of
+from jaxserve.executor.model_runner import ModelRunner, PendingStep
 from jaxserve.executor.program_order import first_programs, planned_programs
+from jaxserve.executor.resolved import (blocks_per_seq, check_pool_holds_a_sequence,
+                                        resolve_dtype, resolve_max_model_len)
 from jaxserve.executor.sharding import (
     AXIS,
     kv_cache_sharding,
@@ -106,7 +108,7 @@ class Worker:
         enable_compilation_cache(config.runner.compilation_cache_dir)
         m = config.model
         self.mesh = mesh or rank_meshes(config.parallel)[0]
-        self.dtype = dtype_of(m.dtype)
+        self.dtype = resolve_dtype(config, jax.default_backend())
         restored = loaded is None and restores_sharded(config)
         device = self.mesh.devices.flat[0]
         host_placed = self.mesh.size == 1 and device.process_index == jax.process_index()
@@ -123,7 +125,7 @@ class Worker:
             cfg, placed = shard_params(self.loaded.config, self.loaded.params, self.mesh,
                                        self.dtype)
         self.model_config = cfg
-        self.max_model_len = m.max_model_len or cfg.max_position_embeddings
+        self.max_model_len = resolve_max_model_len(config, cfg)
         platform = self.mesh.devices.flat[0].platform
         backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh,
                                         decode_rows=1 + num_speculative_tokens(config))
@@ -165,7 +167,7 @@ class Worker:
         validate_backend(backend, platform=platform, num_q_heads=cfg.num_heads // tp,
                          num_kv_heads=cfg.num_kv_heads // tp, head_dim=cfg.head_dim,
                          block_size=c.cache.block_size, max_num_seqs=c.scheduler.max_num_seqs,
-                         pages_per_seq=-(-self.max_model_len // c.cache.block_size),
+                         pages_per_seq=blocks_per_seq(self.max_model_len, c.cache.block_size),
                          max_num_tokens=c.scheduler.max_num_batched_tokens,
                          dtype=jnp.dtype(self.dtype).name)
 
@@ -217,9 +219,8 @@ class Worker:
                 raise
             logger.warning("%s; compiling instead", e)
             return None
-        max_model_len = self.config.model.max_model_len or cfg.max_position_embeddings
-        programs.load_in_background(
-            first_programs(planned_programs(self.config, cfg, max_model_len)))
+        programs.load_in_background(first_programs(
+            planned_programs(self.config, cfg, resolve_max_model_len(self.config, cfg))))
         return programs
 
     def _check_compiled(self, programs: compiled_dir.LoadedPrograms | None,
@@ -268,7 +269,6 @@ class Worker:
                         for cfg in self.model_configs) // tp  # per device: its KV heads
         device = self.mesh.devices.flat[0]
         stats = device.memory_stats() or {}
-        blocks_per_seq = -(-self.max_model_len // cache.block_size)
         if "bytes_limit" in stats:  # one extra compile at start, like vLLM's profile run
             step = largest_step_bytes(
                 ModelParts.of(self.model), self.config, backend, self.max_model_len,
@@ -283,11 +283,10 @@ class Worker:
             # A power of two: the step programs take the pool's shape, and one that moved with
             # the free memory would miss the persistent compilation cache at every start.
             share = 1 << (share.bit_length() - 1) if share else 0
-            num_blocks = min(share, self.config.scheduler.max_num_seqs * blocks_per_seq + 1)
-        if num_blocks < blocks_per_seq + 1:
-            raise ValueError(f"KV cache budget holds {num_blocks} blocks of {per_block} bytes, "
-                             f"fewer than one max_model_len sequence needs ({blocks_per_seq} + 1); "
-                             "lower max_model_len or raise the memory budget")
+            per_seq = blocks_per_seq(self.max_model_len, cache.block_size)
+            num_blocks = min(share, self.config.scheduler.max_num_seqs * per_seq + 1)
+        check_pool_holds_a_sequence(num_blocks, self.max_model_len, cache.block_size,
+                                    block_bytes=per_block)
         return num_blocks
 
     def dispatch(self, sched: SchedulerOutput) -> PendingStep | None:
