@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import dataclasses
 import json
 import logging
 import os
@@ -129,6 +130,14 @@ class EngineConfig:
         """Build from flat engine arguments (`max_num_seqs=8`, ...); unknown names and values of
         the wrong type are errors. Paths (`os.PathLike`) are accepted where a string is.
         vLLM's arguments that have no effect here are accepted (see `jaxserve.vllm_args`)."""
+        config = cls._given(**kwargs)
+        config.validate()
+        return config.normalized()
+
+    @classmethod
+    def _given(cls, **kwargs: Any) -> "EngineConfig":
+        """The arguments as given, their names and types checked: not validated or
+        normalized yet."""
         kwargs = accept_vllm_args(kwargs)
         check_engine_args(kwargs)
         config = cls()
@@ -136,7 +145,6 @@ class EngineConfig:
             if isinstance(value, os.PathLike):
                 value = os.fspath(value)
             setattr(getattr(config, _SECTION_OF[name]), name, value)
-        config.validate()
         return config
 
     @classmethod
@@ -153,10 +161,40 @@ class EngineConfig:
     def replace(self, **kwargs: Any) -> "EngineConfig":
         return EngineConfig.from_kwargs(**(self.to_kwargs() | kwargs))
 
+    def normalized(self) -> "EngineConfig":
+        """A copy with the defaults drawn and the settings given as text or mappings parsed:
+        the shipped model's path for model=None, a seed for seed=None, hf_overrides as a
+        mapping, disaggregation and speculative_config as their configs. Call on a config
+        that validates."""
+        m, s, p = self.model, self.scheduler, self.parallel
+        seed = m.seed
+        if seed is None:
+            seed = secrets.randbelow(2**31)
+            logger.info("seed=None: drew engine seed %d", seed)
+        return EngineConfig(
+            model=dataclasses.replace(
+                m, model=default_model_path() if m.model is None else m.model, seed=seed,
+                hf_overrides=_json_mapping("hf_overrides", m.hf_overrides)),
+            cache=dataclasses.replace(self.cache),
+            scheduler=dataclasses.replace(s, speculative_config=self._speculative_config()),
+            runner=dataclasses.replace(self.runner),
+            parallel=dataclasses.replace(p, disaggregation=self._disaggregation()))
+
+    def _disaggregation(self) -> DisaggregationConfig | None:
+        p = self.parallel
+        if p.disaggregation is None:
+            return None
+        return normalize_disaggregation(p.disaggregation,
+                                        coordinator_address=p.coordinator_address,
+                                        devices=p.devices)
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        return normalize_speculative(self.scheduler.speculative_config,
+                                     tensor_parallel_size=self.parallel.tensor_parallel_size)
+
     def validate(self) -> None:
+        """A ValueError naming the first field that is wrong; the config is left as it is."""
         m, c, s, r, p = self.model, self.cache, self.scheduler, self.runner, self.parallel
-        if m.model is None:
-            m.model = default_model_path()
         _positive(c, "block_size")
         _positive(s, "max_num_seqs")
         _positive(s, "max_num_batched_tokens")
@@ -178,13 +216,10 @@ class EngineConfig:
         if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got "
                              f"{m.dtype!r}")
-        m.hf_overrides = _json_mapping("hf_overrides", m.hf_overrides)
-        if m.seed is None:
-            if p.num_processes not in (None, 1):
-                raise ValueError("seed=None draws a seed in each process; a multi-host engine "
-                                 "needs the same one everywhere: give seed")
-            m.seed = secrets.randbelow(2**31)
-            logger.info("seed=None: drew engine seed %d", m.seed)
+        _json_mapping("hf_overrides", m.hf_overrides)
+        if m.seed is None and p.num_processes not in (None, 1):
+            raise ValueError("seed=None draws a seed in each process; a multi-host engine "
+                             "needs the same one everywhere: give seed")
         if m.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got "
                              f"{m.generation_config!r}")
@@ -201,16 +236,11 @@ class EngineConfig:
                 or len(set(p.devices)) != len(p.devices)):
             raise ValueError(f"devices must be a non-empty list of distinct device indices "
                              f"(integers >= 0), got {p.devices!r}")
-        if p.disaggregation is not None:
-            settings = normalize_disaggregation(p.disaggregation,
-                                                coordinator_address=p.coordinator_address,
-                                                devices=p.devices)
+        disaggregation = self._disaggregation()
+        if disaggregation is not None:
             for name in SIDES:  # each side's own engine arguments must validate too
-                side_config(self, settings, name)
-            p.disaggregation = settings
-        s.speculative_config = normalize_speculative(s.speculative_config,
-                                                     tensor_parallel_size=p.tensor_parallel_size)
-        if s.speculative_config is not None and p.disaggregation is not None:
+                _validated_side(self, disaggregation, name)
+        if self._speculative_config() is not None and disaggregation is not None:
             raise ValueError("speculative_config: not supported with disaggregation yet")
         if r.collective_matmul_min_tokens is not None:
             _positive(r, "collective_matmul_min_tokens")
@@ -225,14 +255,21 @@ class EngineConfig:
 def side_config(config: EngineConfig, settings: DisaggregationConfig,
                 name: str) -> EngineConfig:
     """The engine configuration of one side: the shared arguments plus the side's own."""
+    return _validated_side(config, settings, name).normalized()
+
+
+def _validated_side(config: EngineConfig, settings: DisaggregationConfig,
+                    name: str) -> EngineConfig:
     side = settings.side(name)
     try:
-        return config.replace(disaggregation=None, devices=side.devices,
-                              tensor_parallel_size=side.tensor_parallel_size,
-                              data_parallel_size_local=side.data_parallel_size_local,
-                              **side.engine_args)
+        out = EngineConfig._given(**(config.to_kwargs() | dict(
+            disaggregation=None, devices=side.devices,
+            tensor_parallel_size=side.tensor_parallel_size,
+            data_parallel_size_local=side.data_parallel_size_local, **side.engine_args)))
+        out.validate()
     except ValueError as e:
         raise ValueError(f"disaggregation.{name}: {e}") from e
+    return out
 
 
 _SECTIONS = ("model", "cache", "scheduler", "runner", "parallel")

@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from jaxserve.config import ENGINE_ARGS, EngineConfig, check_engine_args
+from jaxserve.config import (ENGINE_ARGS, EngineConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, check_engine_args)
+from jaxserve.disaggregation_config import DisaggregationConfig
+from jaxserve.speculative_config import SpeculativeConfig
 from jaxserve.entrypoints.cli_args import add_engine_args, engine_kwargs
 
 
@@ -90,3 +94,27 @@ def test_every_engine_argument_round_trips_through_the_type_check() -> None:
     assert set(kwargs) == set(ENGINE_ARGS)
     check_engine_args(kwargs)  # the defaults themselves pass
     assert EngineConfig.from_kwargs(**kwargs).to_kwargs() == kwargs
+
+
+@pytest.mark.parametrize("config", [
+    EngineConfig(model=ModelConfig(seed=None, hf_overrides='{"rope_theta": 20000.0}'),
+                 parallel=ParallelConfig(disaggregation={"prefill": {"max_num_seqs": 4},
+                                                         "decode": {"num_devices": 2}})),
+    EngineConfig(model=ModelConfig(seed=None, hf_overrides={"rope_theta": 20000.0}),
+                 scheduler=SchedulerConfig(
+                     speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')),
+], ids=["disaggregation", "speculative"])
+def test_validate_leaves_the_config_as_it_was_and_normalized_parses_a_copy(
+        config: EngineConfig) -> None:
+    before = copy.deepcopy(config)
+    config.validate()
+    assert config == before
+    normal = config.normalized()
+    assert config == before
+    assert normal.model.model is not None and isinstance(normal.model.seed, int)
+    assert normal.model.hf_overrides == {"rope_theta": 20000.0}
+    if config.parallel.disaggregation is not None:
+        assert isinstance(normal.parallel.disaggregation, DisaggregationConfig)
+    else:
+        assert isinstance(normal.scheduler.speculative_config, SpeculativeConfig)
+    assert EngineConfig.from_kwargs(**normal.to_kwargs()) == normal
