@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import difflib
 import dataclasses
+import difflib
 import json
 import logging
 import os
