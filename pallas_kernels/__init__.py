@@ -1,7 +1,7 @@
 """Pallas kernels for jaxserve's attention: ragged paged attention for TPU (Mosaic, with the
 step's KV write fused in) and GPU (Triton), beside the pure-JAX `xla` backend (xla_attention.py),
-the CPU's native kernels (C++ through the XLA FFI, built by cpu_native.py: the `cpu` backend's
-ragged paged attention, cpu_paged_attention.py, and the dense layers' matmul, cpu_matmul.py),
+the CPU's native kernel (C++ through the XLA FFI, built by cpu_native.py: the `cpu` backend's
+ragged paged attention, cpu_paged_attention.py),
 and the plain numpy oracle every one of them is checked against (oracle.py). Importable
 without jaxserve, and without libtpu or a GPU (the kernels only need one to compile, not to
 import or to run interpreted)."""

@@ -1,5 +1,5 @@
-"""The native CPU kernels (cpu_paged_attention.cc, cpu_matmul.cc), built into one library and
-registered as XLA FFI targets.
+"""The native CPU kernel (cpu_paged_attention.cc), built into a library and registered as an
+XLA FFI target.
 
 The sources are compiled with the machine's C++ compiler on first use, against the headers
 jaxlib ships, and cached by the hash of sources, flags, compiler, jaxlib version and CPU
@@ -25,10 +25,9 @@ import jaxlib
 logger = logging.getLogger(__name__)
 
 # FFI target -> the library's handler symbol
-TARGETS = {"jaxserve_cpu_paged_attention": "JaxservePagedAttention",
-           "jaxserve_cpu_matmul": "JaxserveMatmul"}
+TARGETS = {"jaxserve_cpu_paged_attention": "JaxservePagedAttention"}
 _DIR = Path(__file__).parent
-_SOURCES = (_DIR / "cpu_paged_attention.cc", _DIR / "cpu_matmul.cc")
+_SOURCES = (_DIR / "cpu_paged_attention.cc",)
 _HEADERS = (_DIR / "cpu_parallel_for.h", _DIR / "cpu_vector.h")
 # Reassociation lets the compiler vectorise the dot products' sums. Not -ffast-math: linking
 # with it adds crtfastmath, whose constructor turns on flush-to-zero and denormals-are-zero for

@@ -2,7 +2,7 @@
 the XLA FFI: every request's rows (decodes, drafts, prefill chunks), each (request, KV head)'s
 pages read once from the paged cache for a tile of its rows. The `cpu` attention backend.
 
-It is built with the other native CPU kernels (cpu_native.py)."""
+It is built by cpu_native.py."""
 
 from __future__ import annotations
 

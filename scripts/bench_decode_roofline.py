@@ -12,9 +12,8 @@ and a bound measured at another moment than the step says little about the step.
 pass runs `--rounds` times; each row keeps its best round's times and rates (the same step
 took 11 ms and 15 ms a few minutes apart here).
 
-Each attention backend (`--backends`, default the CPU's two: `cpu`, whose decodes and dense
-layers run in the native kernels, and the pure-JAX `xla`) gets its own engine, measured in the
-same run.
+Each attention backend (`--backends`, default the CPU's two: `cpu`, whose attention runs in
+the native kernel, and the pure-JAX `xla`) gets its own engine, measured in the same run.
 
     python scripts/bench_decode_roofline.py [--batches 1,8,32,64] [--contexts 128,512]
         [--backends cpu,xla] [--rounds 2]
@@ -118,9 +117,8 @@ def main() -> None:
             f"ModelRunner.time_last_step); each row: the best of {args.rounds} rounds of the "
             "whole table (times and rates each at their best); engine step "
             "= the whole LLMEngine.step (host work included). A percentage is the share of the "
-            "bound reached (100% = at the bound). `cpu`: attention and dense layers in the native "
-            "kernels (pallas_kernels/cpu_paged_attention.cc, cpu_matmul.cc); `xla`: all in "
-            "XLA.")
+            "bound reached (100% = at the bound). `cpu`: attention in the native kernel "
+            "(pallas_kernels/cpu_paged_attention.cc), dense layers in XLA; `xla`: all in XLA.")
     write_result("bench_decode_roofline", "Decode step against the memory-bandwidth bound", body)
 
 

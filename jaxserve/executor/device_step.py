@@ -32,9 +32,8 @@ from jaxserve.executor.targets import Chip
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.layers.axes import AXIS
 from jaxserve.layers.collective_matmul import CollectiveMatmul
-from jaxserve.layers.dense import DENSE_PARAMS
 from jaxserve.layers.sampler import SamplerOutput, TokenLogprobs, sample, token_logprobs
-from jaxserve.models.llama import Llama
+from jaxserve.models.llama import DENSE_PARAMS, Llama
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
 
 ProgramKey = tuple[str, PackedLayout | None]  # (kind, the packed inputs' layout)

@@ -83,14 +83,14 @@ def check_draft(draft: LlamaConfig, target: LlamaConfig, max_model_len: int) -> 
 
 
 def place_draft(loaded: LoadedModel, target: LlamaConfig, max_model_len: int, mesh: Mesh,
-                dtype: Any, scan_layers: bool, native_matmul: bool) -> Llama:
+                dtype: Any, scan_layers: bool, rotary_lookup: bool) -> Llama:
     """The checked draft as a model on the mesh, sharded by the target's rules."""
     check_draft(loaded.config, target, max_model_len)
     try:
         cfg, placed = shard_params(loaded.config, loaded.params, mesh, dtype)
     except ValueError as e:  # e.g. a head count tensor parallelism does not divide
         raise ValueError(f"{FIELD}: {e}") from None
-    return Llama(cfg, placed, dtype, scan_layers=scan_layers, native_matmul=native_matmul,
+    return Llama(cfg, placed, dtype, scan_layers=scan_layers, rotary_lookup=rotary_lookup,
                  max_positions=max_model_len)
 
 

@@ -45,7 +45,6 @@ from jaxserve.layers.attention import (
     get_attention_backend,
     validate_backend,
 )
-from jaxserve.layers.dense import uses_native_matmul
 from jaxserve.models.checkpoint_io import load_converted, read_converted_config
 from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
@@ -118,7 +117,7 @@ class Worker:
                     else self._read_compiled(config.runner.compiled_dir, loading.config))
         self.loaded = loading.result() if isinstance(loading, LoadingModel) else loading
         if restored or host_placed:
-            # Host arrays: the model slices, packs and places them on this process's one device
+            # Host arrays: the model slices and places them on this process's one device
             # itself (under default_device below), with no jax operation to compile at start.
             cfg, placed = self.loaded.config, self.loaded.params
         else:
@@ -130,11 +129,13 @@ class Worker:
         backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh,
                                         decode_rows=1 + num_speculative_tokens(config))
         check_float16(self.dtype, backend, platform)
-        native_matmul = uses_native_matmul(backend.name, self.mesh.size, self.dtype)
+        # As before the native matmul went (issue 48): the `cpu` backend on one device reads
+        # its rotary angles from a table; the other paths compute them.
+        rotary_lookup = backend.name == "cpu" and self.mesh.size == 1
         with jax.default_device(device) if host_placed else contextlib.nullcontext():
             self.model = Llama(cfg, placed, self.dtype,
                                scan_layers=config.runner.scans_layers(platform),
-                               native_matmul=native_matmul, max_positions=self.max_model_len)
+                               rotary_lookup=rotary_lookup, max_positions=self.max_model_len)
         if host_placed:  # the mesh's sharding, as the sharded path's (no copy: one device)
             nnx.update(self.model, jax.device_put(nnx.state(self.model),
                                                   NamedSharding(self.mesh, PartitionSpec())))
@@ -144,7 +145,7 @@ class Worker:
         draft = draft or load_draft(config)
         self.draft = None if draft is None else place_draft(
             draft, cfg, self.max_model_len, self.mesh, self.dtype,
-            config.runner.scans_layers(platform), native_matmul)
+            config.runner.scans_layers(platform), rotary_lookup)
         self._validate_backend(backend, platform, cfg)
         if self.draft is not None:
             try:

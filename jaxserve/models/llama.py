@@ -9,9 +9,8 @@ Checkpoints stack each layer weight on axis 0. Two ways to run the layers, one l
   `lax.scan` over them, with the layer index traced. Compile time does not grow with depth, and
   the weights are never held twice.
 The forward pass takes a flattened ragged batch (`input_ids[T]` with explicit positions) and
-reads/writes the paged cache through an attention backend. With `native_matmul` (the CPU's
-`cpu` backend) the dense layers run in pallas_kernels/cpu_matmul.cc over weights packed at
-build time, and the rotary angles come from a per-position table.
+reads/writes the paged cache through an attention backend. With `rotary_lookup` (the CPU's
+`cpu` backend) the rotary angles come from a per-position table.
 """
 
 from __future__ import annotations
@@ -26,14 +25,14 @@ from jax.experimental.layout import Layout, with_layout_constraint
 
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.layers.collective_matmul import CollectiveMatmul
-from jaxserve.layers.dense import (DENSE_PARAMS, FUSED_DENSE, concat_columns, dense, pack,
-                                   packed_columns)
 from jaxserve.layers.rotary import (apply_rotary, inverse_frequencies, lookup_angles,
                                     rotary_angles, rotary_table)
 from jaxserve.models.llama_config import LlamaConfig
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
                 "bq", "bk", "bv", "q_norm", "k_norm")
+# The layer weights the dense layers read, each [(L,) K, N]
+DENSE_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -46,58 +45,34 @@ class Llama(nnx.Module):
     """Holds the weights as `nnx.Param`s; `__call__` is a pure function of them."""
 
     def __init__(self, cfg: LlamaConfig, params: dict[str, Any], dtype: Any = jnp.float32,
-                 scan_layers: bool = False, native_matmul: bool = False,
+                 scan_layers: bool = False, rotary_lookup: bool = False,
                  max_positions: int | None = None):
         """`params`: the canonical weight dict (numpy, or jax arrays already placed on their
-        shardings); the vocabulary may be padded for tensor parallelism. `native_matmul`
-        (float32 on one CPU device): the dense layers' weights are packed for the native CPU
-        matmul (layers/dense.py) and run through it, q/k/v and gate/up each fused into
-        one. `max_positions`: positions the model
-        will see (the engine's max_model_len; default max_position_embeddings)."""
+        shardings); the vocabulary may be padded for tensor parallelism. `rotary_lookup`: the
+        rotary angles from a table of `max_positions` rows (the positions the model will see:
+        the engine's max_model_len; default max_position_embeddings)."""
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.scan_layers = scan_layers
-        if native_matmul and self.dtype != jnp.float32:
-            raise ValueError(f"the native CPU matmul takes float32 weights, not {self.dtype}")
-        # fused weight -> the N of each of its parts, in order
-        self.fused_columns = tuple(
-            (fused, tuple(params[name].shape[-1] for name in parts))
-            for fused, parts in FUSED_DENSE.items() if native_matmul)
-        if native_matmul:  # the fused weights replace their parts
-            params = dict(params)
-            for fused, parts in FUSED_DENSE.items():
-                params[fused] = concat_columns([params.pop(name) for name in parts])
-        # name -> N of each packed weight; empty: XLA's dot on the weights as loaded
-        self.dense_columns = tuple((name, params[name].shape[-1])
-                                   for name in (*DENSE_PARAMS, *FUSED_DENSE)
-                                   if native_matmul and name in params)
-        packed = dict(self.dense_columns)
 
-        def param(name: str, value: Any) -> nnx.Param:
-            return nnx.Param(jnp.asarray(pack(value) if name in packed else value, self.dtype))
+        def param(value: Any) -> nnx.Param:
+            return nnx.Param(jnp.asarray(value, self.dtype))
 
-        # With the native matmul the head [V, D] is packed as [D, V]. A tied one is packed in
-        # the embedding's place, which then looks its rows up across the panels: no second copy
-        # of the vocabulary's weights.
-        self.packed_head = native_matmul
-        tied = cfg.tie_word_embeddings
-        self.embed = nnx.Param(jnp.asarray(
-            pack(params["embed"].T) if tied and native_matmul else params["embed"], self.dtype))
-        self.final_norm = nnx.Param(jnp.asarray(params["final_norm"], self.dtype))
-        self.lm_head = (None if tied else nnx.Param(jnp.asarray(
-            pack(params["lm_head"].T) if native_matmul else params["lm_head"], self.dtype)))
+        self.embed = param(params["embed"])
+        self.final_norm = param(params["final_norm"])
+        self.lm_head = None if cfg.tie_word_embeddings else param(params["lm_head"])
         # The CPU path looks its rotary angles up (layers/rotary.py: rotary_table), on the
         # embedding's one device
         self.rotary_table = nnx.Variable(jax.device_put(
             rotary_table(self._inverse_frequencies(),
                          max_positions or cfg.max_position_embeddings),
-            next(iter(self.embed[...].devices())))) if native_matmul else None
-        names = [name for name in (*LAYER_PARAMS, *FUSED_DENSE) if name in params]
+            next(iter(self.embed[...].devices())))) if rotary_lookup else None
+        names = [name for name in LAYER_PARAMS if name in params]
         if scan_layers:  # [L, ...] each
-            self.layers = nnx.Dict({name: param(name, params[name]) for name in names})
+            self.layers = nnx.Dict({name: param(params[name]) for name in names})
         else:
             self.layers = nnx.List([
-                nnx.Dict({name: param(name, params[name][i]) for name in names})
+                nnx.Dict({name: param(params[name][i]) for name in names})
                 for i in range(cfg.num_layers)])
 
     def __call__(
@@ -141,8 +116,7 @@ class Llama(nnx.Module):
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), k_cache, v_cache
 
     def _embed(self, input_ids: jax.Array) -> jax.Array:  # i32[T] -> [T, D]
-        table = self.embed[...]  # [V, D], or the tied head packed from [D, V]
-        return table[input_ids] if table.ndim == 2 else packed_columns(table, input_ids)
+        return self.embed[...][input_ids]
 
     def _inverse_frequencies(self) -> np.ndarray:
         cfg = self.cfg
@@ -154,31 +128,25 @@ class Llama(nnx.Module):
                collective: CollectiveMatmul | None,
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
-        columns = dict(self.dense_columns)
 
         def linear(x: jax.Array, name: str) -> jax.Array:
             """A row-parallel layer (o, down) under tensor parallelism."""
             if collective is not None:
                 return collective.scattered(x, w[name])
-            return dense(x, w[name], columns.get(name))
+            return x @ w[name]
 
-        def linears(x: jax.Array, fused: str) -> list[jax.Array]:
-            """x through each part of `fused` (FUSED_DENSE), in one call where it was packed:
-            column-parallel layers (q/k/v, gate/up) under tensor parallelism."""
+        def linears(x: jax.Array, names: tuple[str, ...]) -> list[jax.Array]:
+            """Column-parallel layers (q/k/v, gate/up) under tensor parallelism."""
             if collective is not None:
-                return collective.gathered(x, [w[name] for name in FUSED_DENSE[fused]])
-            if fused not in w:
-                return [dense(x, w[name], columns.get(name)) for name in FUSED_DENSE[fused]]
-            widths = dict(self.fused_columns)[fused]
-            return jnp.split(dense(x, w[fused], columns.get(fused)),
-                             np.cumsum(widths)[:-1].tolist(), axis=-1)
+                return collective.gathered(x, [w[name] for name in names])
+            return [x @ w[name] for name in names]
 
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
         # Row-major projections: left free, TPU's compiler folds the heads' reshape and the
         # kernels' head-major transposes into these dots and relays out wq/wk/wv to suit them,
         # rewriting those weights every step (a layer's slice, or the whole stack for layer skip).
         q, k, v = (with_layout_constraint(y, Layout(major_to_minor=(0, 1)))
-                   for y in linears(h, "wqkv"))
+                   for y in linears(h, ("wq", "wk", "wv")))
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         T = x.shape[0]
@@ -195,7 +163,7 @@ class Llama(nnx.Module):
             sliding_window=cfg.sliding_window)
         x = x + linear(o.reshape(T, -1), "wo")
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        gate, up = linears(h, "w_gate_up")
+        gate, up = linears(h, ("w_gate", "w_up"))
         x = x + linear(jax.nn.silu(gate) * up, "w_down")
         return x, k_cache, v_cache
 
@@ -203,8 +171,6 @@ class Llama(nnx.Module):
         # The head [V, D] is vocab-major, as HF stores it and as the tied embedding is: at 32
         # decode rows XLA:CPU runs hidden @ head.T ~1.8x faster than against a [D, V] copy.
         head = (self.embed if self.lm_head is None else self.lm_head)[...]
-        if self.packed_head:
-            return dense(hidden, head, self.cfg.vocab_size)
         return (hidden @ head.T)[:, :self.cfg.vocab_size].astype(jnp.float32)
 
 

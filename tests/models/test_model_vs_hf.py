@@ -11,7 +11,6 @@ import pytest
 from flax import nnx
 
 from jaxserve.layers.attention import AttentionMetadata, get_attention_backend
-from jaxserve.layers.dense import pack
 from jaxserve.models.llama import Llama, init_kv_cache
 from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loader import load_model
@@ -76,30 +75,20 @@ def test_logits_match_hf_forward_at_every_position(hf_checkpoint, kind, tie, kv_
 @pytest.mark.parametrize("kind,tie,scan_layers", [
     ("llama", False, False), ("llama", True, True), ("qwen2", False, True),
     ("qwen3", True, False)])
-def test_the_native_cpu_matmul_gives_hf_logits(hf_checkpoint, kind, tie, scan_layers):
-    """Every dense layer and the head (tied or not) through layers/dense.py's packed weights."""
+def test_the_rotary_table_gives_hf_logits(hf_checkpoint, kind, tie, scan_layers):
+    """The `cpu` backend's path: rotary angles looked up per position."""
     path = hf_checkpoint(kind, tie=tie)
     ids = np.random.default_rng(3).integers(2, 320, size=40).tolist()
-    ours = forward_logits(path, ids, splits=[17], native_matmul=True, scan_layers=scan_layers)
+    ours = forward_logits(path, ids, splits=[17], rotary_lookup=True, scan_layers=scan_layers)
     np.testing.assert_allclose(ours, hf_logits(path, ids), atol=1e-4, rtol=0)
 
 
-def test_a_tied_head_is_packed_once_and_the_embedding_reads_its_rows_there(hf_checkpoint):
-    loaded = load_model(str(hf_checkpoint("llama", tie=True)))
-    embed = np.asarray(loaded.params["embed"])
-    model = Llama(loaded.config, loaded.params, native_matmul=True)
-    assert model.lm_head is None and model.embed[...].shape == pack(embed.T).shape
-    ids = jnp.asarray([0, 31, 32, embed.shape[0] - 1, 5, 5], jnp.int32)
-    np.testing.assert_array_equal(np.asarray(model._embed(ids)), embed[np.asarray(ids)])
-
-
-def test_the_native_cpu_path_keeps_every_array_on_the_weights_device(hf_checkpoint):
-    """A data-parallel rank's model lives on its own device: packed weights, the packed head
-    and the rotary table too."""
+def test_the_rotary_table_stays_on_the_weights_device(hf_checkpoint):
+    """A data-parallel rank's model lives on its own device: the rotary table too."""
     loaded = load_model(str(hf_checkpoint("llama")))  # untied head
     device = jax.devices()[-1]
     placed = {name: jax.device_put(value, device) for name, value in loaded.params.items()}
-    leaves = jax.tree.leaves(nnx.state(Llama(loaded.config, placed, native_matmul=True)))
+    leaves = jax.tree.leaves(nnx.state(Llama(loaded.config, placed, rotary_lookup=True)))
     assert len(leaves) > 3 and all(leaf.devices() == {device} for leaf in leaves)
 
 
@@ -108,14 +97,8 @@ def test_the_rotary_table_holds_the_positions_the_engine_serves(hf_checkpoint):
     take 64 MB for an engine serving 4K)."""
     loaded = load_model(str(hf_checkpoint("llama")))
     assert loaded.config.max_position_embeddings != 40
-    model = Llama(loaded.config, loaded.params, native_matmul=True, max_positions=40)
+    model = Llama(loaded.config, loaded.params, rotary_lookup=True, max_positions=40)
     assert model.rotary_table[...].shape[0] == 40
-
-
-def test_the_native_cpu_matmul_refuses_bfloat16(hf_checkpoint):
-    loaded = load_model(str(hf_checkpoint("llama")))
-    with pytest.raises(ValueError, match="native CPU matmul takes float32 weights"):
-        Llama(loaded.config, loaded.params, jnp.bfloat16, native_matmul=True)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -20,9 +20,9 @@ def gqa8(hf_checkpoint):
     return path, prompts, hf_greedy(path, prompts, 12)
 
 
-# TP 8 spans every device (with CPU's default backend, its native attention per device), DP 2
-# runs the native CPU matmul on two devices (weights packed on each), and TP 2 x
-# DP 2 runs the Pallas kernels per device; the other meshes run with `pytest -m full`.
+# TP 8 spans every device (the `cpu` backend: its native attention per device), DP 2 runs the
+# native attention on two devices (its rotary table on each), and TP 2 x DP 2 runs the Pallas
+# kernels per device; the other meshes run with `pytest -m full`.
 @pytest.mark.parametrize("tp,dp,backend", [
     *(pytest.param(tp, dp, backend, marks=pytest.mark.full)
       for tp, dp, backend in [(1, 1, "xla"), (2, 1, "xla"), (4, 1, "xla"), (2, 2, "xla"),
