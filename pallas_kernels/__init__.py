@@ -6,29 +6,20 @@ and the plain numpy oracle every one of them is checked against (oracle.py). Imp
 without jaxserve, and without libtpu or a GPU (the kernels only need one to compile, not to
 import or to run interpreted)."""
 
-import importlib
-from typing import Any
-
-# name -> (module, its name there); imported on first use: the TPU and GPU kernels pull in
-# Pallas's Mosaic and Triton lowerings (~0.2 s), which a CPU engine never needs
-_EXPORTS = {
-    "default_gpu_tiles": ("tiling", "default_gpu_tiles"),
-    "default_tpu_tiles": ("tiling", "default_tpu_tiles"),
-    "ragged_paged_attention_gpu": ("ragged_paged_attention_gpu", "ragged_paged_attention"),
-    "ragged_paged_attention_tpu": ("ragged_paged_attention_tpu", "ragged_paged_attention"),
-    "ragged_paged_attention_xla": ("xla_attention", "ragged_paged_attention"),
-    "validate_gpu_tiling": ("tiling", "validate_gpu_tiling"),
-    "validate_tpu_tiling": ("tiling", "validate_tpu_tiling"),
-    "write_kv": ("xla_attention", "write_kv"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pallas_kernels' has no attribute {name!r}")
-    module, attr = _EXPORTS[name]
-    return getattr(importlib.import_module(f"pallas_kernels.{module}"), attr)
-
+from pallas_kernels.ragged_paged_attention_gpu import (
+    ragged_paged_attention as ragged_paged_attention_gpu,
+)
+from pallas_kernels.ragged_paged_attention_tpu import (
+    ragged_paged_attention as ragged_paged_attention_tpu,
+)
+from pallas_kernels.xla_attention import ragged_paged_attention as ragged_paged_attention_xla
+from pallas_kernels.xla_attention import write_kv
+from pallas_kernels.tiling import (
+    default_gpu_tiles,
+    default_tpu_tiles,
+    validate_gpu_tiling,
+    validate_tpu_tiling,
+)
 
 __all__ = [
     "default_gpu_tiles",
