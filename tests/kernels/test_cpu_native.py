@@ -1,8 +1,7 @@
-"""Building the native CPU kernels, and the backend choice when they cannot be built. Their
-numerics are checked elsewhere: the paged attention with the other kernels
-(test_xla_attention.py against the oracle, test_ragged_paged_attention.py against the `xla`
-backend, bf16 caches and poisoned KV included), the matmul in test_cpu_matmul.py, and both in
-every CPU engine test, whose default backend they are."""
+"""Building the native CPU kernel, and the backend choice when it cannot be built. Its
+numerics are checked elsewhere: with the other kernels (test_xla_attention.py against the
+oracle, test_ragged_paged_attention.py against the `xla` backend, bf16 caches and poisoned KV
+included), and in every CPU engine test, whose default backend it is."""
 
 from __future__ import annotations
 
