@@ -32,8 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rotary, inverse_frequencies, rotary_angles
-from jaxserve.models.llama import LAYER_PARAMS, rms_norm
+from jaxserve.models.llama import LAYER_PARAMS
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
 
 BOS, EOS = "<s>", "</s>"
