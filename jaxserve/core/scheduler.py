@@ -18,27 +18,19 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import Enum
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.block_pool import KVCacheBlock
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.draft_policy import DraftPolicy
-from jaxserve.core.request import KVTransfer, Request, RequestStatus
-from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput, KVLoad, Logprobs,
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler_kv_connector import Hold, SchedulerKVConnector
+from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput, Logprobs,
                                             ModelRunnerOutput, NewRequestData, PromptLogprobs,
                                             SchedulerOutput, SpecDecodingStats)
-from jaxserve.core.remote_kv_scheduling import RemoteKVScheduling
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.core.stop_check import grammar_status, stop_status
 from jaxserve.core.structured_output import grammar_bitmask
-
-
-class Hold(Enum):
-    """Why a waiting request is not admitted this step."""
-    DEFER = "defer"  # set aside: back at the front of the queue after this step
-    STOP = "stop"  # nothing behind it is admitted either (first come first served)
-    FAIL = "fail"  # it can never run: finished with its error
 
 
 @dataclass(slots=True)
@@ -53,16 +45,19 @@ class SchedulerStats:
     spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
 
 
-class Scheduler(RemoteKVScheduling):
+class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, eos_token_ids: Iterable[int], hash_seed: int | None,
-                 max_sending: int = 0):
+                 connector: SchedulerKVConnector | None = None):
+        """`connector`: a side of disaggregated prefill/decode (core/scheduler_kv_connector.py)."""
         self.config = config
-        self.max_sending = max_sending  # > 0: admit nothing while this many blocks wait to go
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                  hash_seed=hash_seed)
+        self.connector = connector
+        if connector is not None:
+            connector.bind(self.kv)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -75,12 +70,6 @@ class Scheduler(RemoteKVScheduling):
         self._unsettled: dict[str, int] = {}
         self._num_updated = 0
         self._phase: str | None = None
-        # Disaggregated prefill: finished requests (KVTransfer.SEND) whose blocks wait to be
-        # read by the decode side. Disaggregated decode: waiting requests holding blocks (their
-        # KV on its way, or arrived), which take seats; and this step's loads to start.
-        self.sending: dict[str, Request] = {}
-        self._holding: set[str] = set()
-        self._loads: list[KVLoad] = []
         # Structured outputs: requests failed before they ran (their grammar did not compile),
         # reported by the next update; the mask work is timed as its own phase.
         self._failed: list[EngineCoreOutput] = []
@@ -93,8 +82,8 @@ class Scheduler(RemoteKVScheduling):
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in this scheduler")
         self.requests[request.request_id] = request
-        if request.kv_transfer is KVTransfer.RECEIVE:
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        if self.connector is not None:
+            self.connector.add_request(request)
         if self.config.scheduling_policy == "priority":
             key = (request.priority, request.arrival_time)
             pos = next((i for i, r in enumerate(self.waiting)
@@ -120,11 +109,7 @@ class Scheduler(RemoteKVScheduling):
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self._holding.discard(request.request_id)
-        if request.kv_transfer is KVTransfer.SEND and status in (
-                RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
-            self.sending[request.request_id] = request  # `release_sent` frees the blocks
-        else:
+        if self.connector is None or not self.connector.request_finished(request):
             self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -172,10 +157,11 @@ class Scheduler(RemoteKVScheduling):
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids, preempted_req_ids=preempted,
-            sampling_req_ids=sampling, step=self.num_steps, kv_loads=self._loads,
+            sampling_req_ids=sampling, step=self.num_steps,
+            kv_loads=[] if self.connector is None else self.connector.take_loads(),
             structured_output_req_ids=[r.request_id for r in constrained],
             grammar_bitmask=bitmask, scheduled_spec_decode_tokens=drafts)
-        self.finished_req_ids, self._loads = set(), []
+        self.finished_req_ids = set()
         self.num_steps += 1
         return out
 
@@ -264,23 +250,16 @@ class Scheduler(RemoteKVScheduling):
             return Hold.STOP
         if self._unsettled.get(request.request_id, 0) > self._num_updated:
             return Hold.DEFER  # its id's old owner is in flight
-        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return self._remote_kv_hold(request)
+        if self.connector is not None and (hold := self.connector.hold(request)) is not None:
+            return hold
         return _grammar_hold(request) or _sibling_hold(request, prefilling)
 
     def _has_seat(self, request: Request) -> bool:
-        """A seat among max_num_seqs (requests holding blocks take one), and, on the prefill
-        side, fewer than max_sending requests whose blocks wait to be sent."""
-        holds_blocks = request.request_id in self._holding
-        seats = len(self.running) + len(self._holding) - holds_blocks
-        return seats < self.config.max_num_seqs and not 0 < self.max_sending <= len(self.sending)
-
-    def _remote_kv_hold(self, request: Request) -> Hold:
-        """Decode side: skipped, taking its blocks first if its first token is here (or stop
-        here, first come first served, when the pool is full)."""
-        if not self._waits_on_remote(request) and not self._allocate_for_load(request):
-            return Hold.STOP
-        return Hold.DEFER
+        """A seat among max_num_seqs (waiting requests holding blocks take one too)."""
+        seats = len(self.running)
+        if self.connector is not None:
+            seats += self.connector.seats_taken(request)
+        return seats < self.config.max_num_seqs
 
     def _fail(self, request: Request) -> None:
         """It can never run (its grammar did not compile): reported by the next update."""
@@ -303,7 +282,8 @@ class Scheduler(RemoteKVScheduling):
         if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
             return None
         self.waiting.popleft()
-        self._holding.discard(request.request_id)
+        if self.connector is not None:
+            self.connector.admitted(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit
@@ -318,8 +298,8 @@ class Scheduler(RemoteKVScheduling):
             num_computed_tokens=num_hit), num_new
 
     def _prefix_hit(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        if request.request_id in self._holding:  # its KV was moved here from the prefill side
-            return [], request.num_computed_tokens
+        if (num_loaded := self._num_loaded_tokens(request)) is not None:
+            return [], num_loaded  # its KV was moved here from the prefill side
         hit_blocks, num_hit = self.kv.get_computed_blocks(request)
         if getattr(request.sampling_params, "prompt_logprobs", None) is not None:
             return [], 0  # as vLLM: the prompt's logits are all needed
@@ -330,9 +310,16 @@ class Scheduler(RemoteKVScheduling):
         all decode; None: the V1 mixed step."""
         if self.config.enable_mixed_batching:
             return None
-        pending = (any(not self._waits_on_remote(r) for r in self.waiting)
+        pending = (any(not self._waits(r) for r in self.waiting)
                    or any(_is_prefilling(r) for r in self.running))
         return "prefill" if pending else "decode"
+
+    def _waits(self, request: Request) -> bool:
+        """Nothing can be done for this waiting request now (its KV is elsewhere)."""
+        return self.connector is not None and self.connector.waits(request)
+
+    def _num_loaded_tokens(self, request: Request) -> int | None:
+        return None if self.connector is None else self.connector.num_loaded_tokens(request)
 
     def _prefill_cap_reached(self, prefills: set[str]) -> bool:
         cap = self.config.max_num_partial_prefills
@@ -340,10 +327,10 @@ class Scheduler(RemoteKVScheduling):
 
     def _can_admit(self) -> bool:
         """Whether the first waiting request could start now (a seat and its blocks)."""
-        request = next((r for r in self.waiting if not self._waits_on_remote(r)), None)
+        request = next((r for r in self.waiting if not self._waits(r)), None)
         if request is None or len(self.running) >= self.config.max_num_seqs:
             return False
-        if request.request_id in self._holding:
+        if self._num_loaded_tokens(request) is not None:
             return True  # its blocks are taken already
         hits, num_hit = self.kv.find_cached_prefix(request)
         return self.kv.can_allocate(request, request.num_tokens - num_hit, hits)
@@ -411,6 +398,19 @@ class Scheduler(RemoteKVScheduling):
             outputs.append(self._append_tokens(request, tokens, lp,
                                                result.prompt_logprobs.get(req_id)))
         return outputs
+
+    def accept_remote_token(self, output: EngineCoreOutput) -> EngineCoreOutput | None:
+        """Decode side: the first token, sampled by the prefill side, applied as if sampled here
+        (stop checks included). None when the request is gone (aborted meanwhile)."""
+        request = self.requests.get(output.request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS \
+                or request.num_output_tokens:
+            return None
+        request.num_cached_tokens = output.num_cached_tokens
+        logprobs = output.new_logprobs[0] if output.new_logprobs else None
+        return self._append_tokens(request, output.new_token_ids[:1],
+                                   None if logprobs is None else [logprobs],
+                                   output.prompt_logprobs)
 
     def _append_tokens(self, request: Request, tokens: list[int],
                        logprobs: list[Logprobs] | None,

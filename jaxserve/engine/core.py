@@ -17,22 +17,26 @@ A step that raises while it is prepared, launched or read back fails the request
 (the KV cache or the last sampled ids can no longer be read): then `DeviceStateLostError`.
 A compilation that strict_compile forbids is raised as it is.
 
-Disaggregated prefill/decode is this same core on each side. The prefill side's requests
-(KVTransfer.SEND, one output token) keep their blocks after the first token until the decode
-side has read them. The decode side has a KV connector: its requests wait for their first token
-and prompt KV from the prefill side (received before each schedule, like vLLM's
-WAITING_FOR_REMOTE_KVS), and then run on as if that prompt had been a prefix-cache hit.
+Disaggregated prefill/decode is this same core on each side, each rank's scheduler with a
+scheduler-side KV connector (core/scheduler_kv_connector.py). On the prefill side, a KVProducer:
+requests (KVTransfer.SEND, one output token) keep their blocks after the first token until the
+decode side has read them. The decode side has a KV connector and a KVConsumer: its requests
+wait for their first token and prompt KV from the prefill side (received before each schedule,
+like vLLM's WAITING_FOR_REMOTE_KVS), and then run on as if that prompt had been a prefix-cache
+hit.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import KVTransfer, Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_kv_connector import KVConsumer, KVProducer
 from jaxserve.core.scheduler_output import EngineCoreOutput, SchedulerOutput, SpecDecodingStats
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.engine.dp_router import DPRouter
@@ -60,9 +64,11 @@ class InFlight:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 connector: KVConnector | None = None, max_sending: int = 0):
-        """`connector`: this is a disaggregated decode side. `max_sending` > 0: a prefill side
-        that admits nothing while that many requests' blocks wait to be read."""
+                 connector: KVConnector | None = None,
+                 producer: Callable[[], KVProducer] | None = None):
+        """`connector`: this is a disaggregated decode side (each rank's scheduler gets a
+        KVConsumer). `producer`: this is a disaggregated prefill side; it makes each rank's
+        scheduler its KVProducer."""
         self.config = config
         self.executor = Executor(config, loaded)
         built = self.executor.built
@@ -82,11 +88,12 @@ class EngineCore:
             raise ValueError(f"speculative_config.num_layers ({spec.num_layers}) must be below "
                              f"the model's {self.model_config.num_layers} layers")
         hash_seed = config.cache.prefix_caching_hash_seed
+        role = KVConsumer if connector is not None else producer
         self.schedulers = [
             Scheduler(config.scheduler, config.cache, b.num_kv_blocks, b.max_model_len,
                       self.model_config.eos_token_ids,
                       hash_seed=config.model.seed if hash_seed is None else hash_seed,
-                      max_sending=max_sending)
+                      connector=None if role is None else role())
             for b in built]
         self.router = DPRouter(self.schedulers)
         self.spec_switch = SpeculationSwitch() if spec is not None and spec.adaptive else None
@@ -227,7 +234,7 @@ class EngineCore:
                     self.connector.release([out.request_id])
                 outputs.append(out)
             for rank, req_id in events.loaded:
-                self.schedulers[rank].finish_loading(req_id)
+                self.schedulers[rank].connector.finish_loading(req_id)
         return outputs
 
     def _fail_step(self, scheds: list[SchedulerOutput], exc: Exception,

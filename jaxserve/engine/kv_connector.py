@@ -7,7 +7,8 @@ side's blocks; `release` says a first token finished its request (its blocks are
 Worker half: `start_loads` moves the prompt blocks the scheduler allocated (a step's
 `kv_loads`) into this side's cache; `start_step` lets an in-process prefill engine step while
 this side's step runs. Subclasses supply the transport (in-process device copies, or another
-process over a socket); the bookkeeping and the stats are here.
+process over a socket); the bookkeeping and the stats are here. Inside each decode rank's
+scheduler, its KVConsumer (core/scheduler_kv_connector.py) holds these requests' blocks.
 """
 
 from __future__ import annotations

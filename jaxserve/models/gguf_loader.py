@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.models.gguf_dequant import dequantize
 from jaxserve.models.gguf_file import GGUFTensor, read_gguf
 from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
 from jaxserve.models.llama2c_loader import interleaved_to_half_split
@@ -24,16 +25,11 @@ _SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "mi
 
 
 def _dequantize(path: Path, tensor: GGUFTensor) -> np.ndarray:
-    import gguf.quants
-
     kind = tensor.qtype.name
     if kind not in SUPPORTED_TYPES:
         raise ValueError(f"{path}: tensor {tensor.name!r} has unsupported GGUF type {kind}; "
                          f"supported: {', '.join(SUPPORTED_TYPES)}")
-    data = gguf.quants.dequantize(tensor.data, tensor.qtype)
-    if np.may_share_memory(data, tensor.data):  # F32 comes back as a view of the mapped file
-        data = data.copy()
-    return data.astype(np.float32, copy=False).reshape(tensor.shape)
+    return dequantize(tensor.data, tensor.qtype).reshape(tensor.shape)
 
 
 def load_gguf(path: str | Path) -> LoadedModel:

@@ -7,6 +7,7 @@ import time
 from engine_helpers import random_prompts
 
 from jaxserve import SamplingParams
+from jaxserve.core.scheduler_kv_connector import KVProducer
 from jaxserve.engine.disagg.connector import InProcessConnector
 
 # Few step shapes (each costs seconds to compile): one token bucket, one request bucket.
@@ -61,7 +62,8 @@ def assert_no_disagg_leaks(engine) -> None:
     for side in sides:
         for sched in side.schedulers:
             assert not sched.running and not sched.waiting and not sched.requests
-            assert not sched.sending and not sched.kv.req_to_blocks
+            producer = sched.connector if isinstance(sched.connector, KVProducer) else None
+            assert not (producer and producer.sending) and not sched.kv.req_to_blocks
             assert sched.kv.num_free_blocks == sched.kv.num_blocks - 1
         assert not side.router.routes and not side.router.groups
     assert not engine.output_processor.states

@@ -9,6 +9,7 @@ import pytest
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig, side_config
 from jaxserve.core.request import KVTransfer, Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_kv_connector import KVConsumer, KVProducer
 from jaxserve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.disaggregation_config import DisaggregationSide
 from jaxserve.sampling_params import SamplingParams
@@ -103,12 +104,14 @@ def test_disaggregation_rejects_engine_wide_devices_and_multi_host():
 BS = 4
 
 
-def _scheduler(num_blocks: int = 12, max_num_seqs: int = 4, max_sending: int = 0,
+def _scheduler(num_blocks: int = 12, max_num_seqs: int = 4, max_sending: int | None = None,
                mixed: bool = True) -> Scheduler:
+    """A decode side's scheduler (a KVConsumer), or with `max_sending` a prefill side's."""
+    connector = KVConsumer() if max_sending is None else KVProducer(max_sending)
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
                                      enable_mixed_batching=mixed),
                      CacheConfig(block_size=BS), num_blocks, 64, [1], hash_seed=0,
-                     max_sending=max_sending)
+                     connector=connector)
 
 
 def _request(s: Scheduler, rid: str, prompt: list[int], role: KVTransfer | None = None,
@@ -138,7 +141,7 @@ def test_a_received_request_waits_for_its_first_token_then_its_kv_then_runs_like
     held = s.kv.get_block_ids("t")
     assert len(held) == 3 and out.kv_loads[0].block_ids == held  # 11 tokens; 10 moved
     assert s.schedule().is_empty  # the KV is on its way
-    s.finish_loading("t")
+    s.connector.finish_loading("t")
     out = s.schedule()
     new = out.scheduled_new_reqs[0]
     assert (new.req_id, new.num_computed_tokens, new.block_ids) == ("t", 10, held)
@@ -162,7 +165,7 @@ def test_without_mixed_batching_remote_requests_neither_stall_decodes_nor_wait_f
     out = s.schedule()  # a prefill-phase step: t takes its blocks, its KV is to be loaded
     assert [x.req_id for x in out.kv_loads] == ["t"]
     assert s.schedule().num_scheduled_tokens == {"d": 1}  # t's KV on the way: decode on
-    s.finish_loading("t")
+    s.connector.finish_loading("t")
     assert s.schedule().num_scheduled_tokens == {"t": 1}  # t admitted (all prefill, as V0)
 
 
@@ -181,7 +184,7 @@ def test_decode_prefix_hits_cut_what_is_moved():
     s.add_request(_request(s, "a", list(range(10)), KVTransfer.RECEIVE))
     _first_token(s, "a")
     s.schedule()
-    s.finish_loading("a")
+    s.connector.finish_loading("a")
     out = s.schedule()
     s.update_from_output(out, ModelRunnerOutput(["a"], [[9]]))  # a's full blocks now cached
     s.add_request(_request(s, "b", list(range(9)) + [50], KVTransfer.RECEIVE))
@@ -201,7 +204,7 @@ def test_loads_respect_max_num_seqs_and_the_pool_and_aborts_free_cleanly():
     out = s.schedule()
     assert [x.req_id for x in out.kv_loads] == ["a", "b"]  # max_num_seqs: c waits
     s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)  # aborted with its KV on the way
-    s.finish_loading("b")  # its late arrival changes nothing
+    s.connector.finish_loading("b")  # its late arrival changes nothing
     big = _request(s, "big", list(range(20)), KVTransfer.RECEIVE)
     s.add_request(big)
     _first_token(s, "big")
@@ -220,23 +223,24 @@ def test_a_sent_request_keeps_its_blocks_until_released_and_caps_admission():
     out = s.schedule()
     assert s.update_from_output(out, ModelRunnerOutput(["p"], [[5]]))[0].finish_reason == "length"
     blocks = s.kv.get_block_ids("p")
-    assert len(blocks) == 3 and s.sending == {"p": p} and not s.has_unfinished_requests()
+    assert len(blocks) == 3 and s.connector.sending == {"p": p}
+    assert not s.has_unfinished_requests()
     assert "p" in s.schedule().finished_req_ids  # the worker drops its state
     s.add_request(q)
     assert s.schedule().is_empty  # one request's blocks wait to be read: admit nothing
-    s.release_sent("p")
-    assert not s.sending and s.kv.num_free_blocks == 11  # freed (and still cached)
+    s.connector.release("p")
+    assert not s.connector.sending and s.kv.num_free_blocks == 11  # freed (and still cached)
     assert "q" in s.schedule().num_scheduled_tokens
     again = _request(s, "r", list(range(9)))  # the released prompt stays in the prefix cache
     assert s.kv.get_computed_blocks(again)[1] == 8
 
 
 def test_an_aborted_sent_request_frees_its_blocks_at_once():
-    s = _scheduler()
+    s = _scheduler(max_sending=0)
     s.add_request(_request(s, "p", list(range(9)), KVTransfer.SEND, max_tokens=1))
     s.schedule()
     s.finish_requests(["p"], RequestStatus.FINISHED_ABORTED)
-    assert not s.sending and s.kv.num_free_blocks == 11
+    assert not s.connector.sending and s.kv.num_free_blocks == 11
 
 
 def test_a_preempted_received_request_resumes_from_its_moved_blocks_in_the_cache():
@@ -247,7 +251,7 @@ def test_a_preempted_received_request_resumes_from_its_moved_blocks_in_the_cache
         s.add_request(r)
         _first_token(s, r.request_id, token=2)
     for load in s.schedule().kv_loads:  # 8 tokens: 2 blocks each
-        s.finish_loading(load.req_id)
+        s.connector.finish_loading(load.req_id)
     preempted: set[str] = set()
     for _ in range(6):  # both grow until the pool runs dry and the newest is preempted
         out = s.schedule()

@@ -1,10 +1,11 @@
 """The prefill side: an ordinary EngineCore whose requests (KVTransfer.SEND, one output token)
-stop after their first token and keep their blocks until the decode side reads them.
+stop after their first token and keep their blocks until the decode side reads them: each
+rank's scheduler has a KVProducer (core/scheduler_kv_connector.py), which holds them.
 
 A read dispatches a copy of the blocks and frees them at once: they stay in the prefix cache
 for later prompts. Requests holding blocks count as running in the stats, and at most
-`max_pending_transfers` may hold them: then no prefill is admitted (back-pressure: the decode
-side is full).
+`max_pending_transfers` may hold them on a rank: then it admits no prefill (back-pressure: the
+decode side is full).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import jax
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.scheduler_kv_connector import KVProducer
 from jaxserve.core.scheduler_output import EngineCoreOutput
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.kv_connector import prefill_request
@@ -24,7 +26,9 @@ from jaxserve.models.loaded_model import LoadedModel
 class PrefillEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None,
                  max_pending_transfers: int):
-        self.core = EngineCore(config, loaded, max_sending=max_pending_transfers)
+        self.core = EngineCore(config, loaded,
+                               producer=lambda: KVProducer(max_sending=max_pending_transfers))
+        self.producers: list[KVProducer] = [s.connector for s in self.core.schedulers]
         self.block_size = config.cache.block_size
 
     @property
@@ -38,8 +42,8 @@ class PrefillEngine:
         """Drop requests still prefilling, or free the blocks of those that are done."""
         self.core.abort_requests(request_ids)
         for req_id in request_ids:
-            for scheduler in self.core.schedulers:
-                scheduler.release_sent(req_id)
+            for producer in self.producers:
+                producer.release(req_id)
 
     def step(self) -> list[EngineCoreOutput]:
         """One step when there is work (first tokens out; their requests now hold blocks)."""
@@ -49,9 +53,9 @@ class PrefillEngine:
                 num_blocks: int) -> tuple[jax.Array, jax.Array]:
         """Dispatch a copy of a finished request's prompt blocks first_block.. (in the decode
         side's head layout, padded to a block bucket) and free them."""
-        rank, scheduler = next((rank, s) for rank, s in enumerate(self.core.schedulers)
-                               if request_id in s.sending)
-        block_ids = scheduler.kv.get_block_ids(request_id)[first_block:first_block + num_blocks]
+        rank = next(rank for rank, p in enumerate(self.producers) if request_id in p.sending)
+        producer = self.producers[rank]
+        block_ids = producer.block_ids(request_id)[first_block:first_block + num_blocks]
         if len(block_ids) != num_blocks:
             raise RuntimeError(f"request {request_id}: {num_blocks} blocks asked from block "
                                f"{first_block}, {len(block_ids)} held")
@@ -59,7 +63,7 @@ class PrefillEngine:
         # Freeing before the copy has run is safe: the copy already holds the cache by value,
         # and the next step that may overwrite these blocks donates that cache, which the
         # runtime hands over only after the copy's read is done.
-        scheduler.release_sent(request_id)
+        producer.release(request_id)
         return k, v
 
     def stats(self) -> EngineStats:
@@ -69,7 +73,7 @@ class PrefillEngine:
 
     @property
     def num_holding(self) -> int:
-        return sum(len(s.sending) for s in self.core.schedulers)
+        return sum(len(p.sending) for p in self.producers)
 
     def warm_up_reads(self, heads: tuple[int, ...]) -> float:
         self.core.executor.warm_up_blocks(heads, write=False)
