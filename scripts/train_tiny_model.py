@@ -32,8 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rotary, inverse_frequencies, rotary_angles
-from jaxserve.models.llama import LAYER_PARAMS, rms_norm
+from jaxserve.models.llama import LAYER_PARAMS
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
 
 BOS, EOS = "<s>", "</s>"
@@ -297,19 +298,9 @@ def samples(out: Path, prompts: list[str], max_tokens: int) -> dict[str, list[st
 
 
 def hf_tensors(cfg: LlamaConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    from jaxserve.models.hf_loader import _GLOBAL_TENSORS, _LAYER_TENSORS
+    from jaxserve.models.registry import family_of
 
-    out = {}
-    for name, value in params.items():
-        if name in _GLOBAL_TENSORS:
-            hf_name, transpose = _GLOBAL_TENSORS[name]
-            out[hf_name] = np.ascontiguousarray(value.T if transpose else value)
-            continue
-        suffix, transpose = _LAYER_TENSORS[name]
-        for layer in range(cfg.num_layers):
-            w = value[layer]
-            out[f"model.layers.{layer}.{suffix}"] = np.ascontiguousarray(w.T if transpose else w)
-    return out
+    return dict(family_of(cfg).hf_names.checkpoint_tensors(params, cfg.num_layers))
 
 
 def save_checkpoint(out: Path, cfg: LlamaConfig, tok: Any, params: dict[str, np.ndarray]) -> None:

@@ -44,8 +44,9 @@ from jaxserve.executor.step_cost import step_cost
 from jaxserve.executor.step_floor import bucket_scenarios, step_floor
 from jaxserve.executor.targets import Chip, Target
 from jaxserve.layers.attention import get_attention_backend
-from jaxserve.models.llama import Llama, kv_cache_bytes_per_block
+from jaxserve.models.llama import kv_cache_bytes_per_block
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
+from jaxserve.models.registry import family_of
 
 # ---- the abstract model --------------------------------------------------------------------
 def device_model_config(cfg: LlamaConfig, tp: int) -> LlamaConfig:
@@ -56,14 +57,14 @@ def device_model_config(cfg: LlamaConfig, tp: int) -> LlamaConfig:
 
 def abstract_model(cfg: LlamaConfig, mesh: Mesh, dtype: Any,
                    scan_layers: bool) -> tuple[nnx.GraphDef, Any]:
-    """The Llama module's graph and its state as sharded ShapeDtypeStructs: no weights."""
+    """The model's graph and its state as sharded ShapeDtypeStructs: no weights."""
     tp = mesh.shape[AXIS]
     shapes = param_shapes(cfg)
     vocab = padded_vocab_size(cfg.vocab_size, tp)
     for name in ("embed", "lm_head"):
         if name in shapes:
             shapes[name] = (vocab, cfg.hidden_size)
-    model = nnx.eval_shape(lambda: Llama(
+    model = nnx.eval_shape(lambda: family_of(cfg).model(
         cfg, {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()}, dtype,
         scan_layers=scan_layers))
     graphdef, state = nnx.split(model)

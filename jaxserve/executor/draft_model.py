@@ -34,6 +34,7 @@ from jaxserve.models.llama import Llama
 from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
 from jaxserve.models.loader import load_model
+from jaxserve.models.registry import family_of
 
 FIELD = "speculative_config.model"
 
@@ -90,8 +91,8 @@ def place_draft(loaded: LoadedModel, target: LlamaConfig, max_model_len: int, me
         cfg, placed = shard_params(loaded.config, loaded.params, mesh, dtype)
     except ValueError as e:  # e.g. a head count tensor parallelism does not divide
         raise ValueError(f"{FIELD}: {e}") from None
-    return Llama(cfg, placed, dtype, scan_layers=scan_layers, rotary_lookup=rotary_lookup,
-                 max_positions=max_model_len)
+    return family_of(cfg).model(cfg, placed, dtype, scan_layers=scan_layers,
+                                rotary_lookup=rotary_lookup, max_positions=max_model_len)
 
 
 def catch_up(draft: Llama, backend: AttentionBackend, input_ids: jax.Array,

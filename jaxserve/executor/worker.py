@@ -46,10 +46,11 @@ from jaxserve.layers.attention import (
     validate_backend,
 )
 from jaxserve.models.checkpoint_io import load_converted, read_converted_config
-from jaxserve.models.llama import Llama, init_kv_cache, kv_cache_bytes_per_block
+from jaxserve.models.llama import init_kv_cache, kv_cache_bytes_per_block
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
 from jaxserve.models.loader import LoadingModel, start_loading, with_hf_overrides
+from jaxserve.models.registry import family_of
 from jaxserve.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -133,9 +134,9 @@ class Worker:
         # its rotary angles from a table; the other paths compute them.
         rotary_lookup = backend.name == "cpu" and self.mesh.size == 1
         with jax.default_device(device) if host_placed else contextlib.nullcontext():
-            self.model = Llama(cfg, placed, self.dtype,
-                               scan_layers=config.runner.scans_layers(platform),
-                               rotary_lookup=rotary_lookup, max_positions=self.max_model_len)
+            self.model = family_of(cfg).model(
+                cfg, placed, self.dtype, scan_layers=config.runner.scans_layers(platform),
+                rotary_lookup=rotary_lookup, max_positions=self.max_model_len)
         if host_placed:  # the mesh's sharding, as the sharded path's (no copy: one device)
             nnx.update(self.model, jax.device_put(nnx.state(self.model),
                                                   NamedSharding(self.mesh, PartitionSpec())))

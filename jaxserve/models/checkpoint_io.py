@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.models.llama_config import LlamaConfig, check_params
+from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel, read_json
+from jaxserve.models.registry import DEFAULT_HF_ARCHITECTURE, check_params, hf_family
 from jaxserve.models.tokenizer import HFTokenizer, Tokenizer, load_hf_tokenizer
 from jaxserve.models.tokenizer_builders import SPACE, sentencepiece_bpe
 
@@ -32,7 +33,8 @@ def config_to_dict(config: LlamaConfig) -> dict[str, Any]:
 
 
 def config_from_dict(d: dict[str, Any], source: str) -> LlamaConfig:
-    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    config_type = hf_family(d.get("architecture", DEFAULT_HF_ARCHITECTURE), source).config_type
+    fields = {f.name for f in dataclasses.fields(config_type)}
     unknown = sorted(set(d) - fields)
     if unknown:
         raise ValueError(f"{source}: unknown config keys {unknown}")
@@ -42,7 +44,7 @@ def config_from_dict(d: dict[str, Any], source: str) -> LlamaConfig:
     if "eos_token_ids" in d:
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
     try:
-        return LlamaConfig(**d)
+        return config_type(**d)
     except TypeError as e:  # a required field is absent
         raise ValueError(f"{source}: {e}") from e
 

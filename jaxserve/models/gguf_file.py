@@ -85,13 +85,44 @@ class _Header:
         return [self.value(item) for _ in range(count)]  # nested arrays: rare and small
 
 
+_MISSING = object()
+
+
 @dataclass(frozen=True, slots=True)
 class GGUFFile:
+    path: Path
     metadata: dict[str, Any]
     tensors: dict[str, GGUFTensor]
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
+
+    def field(self, key: str, default: Any = _MISSING) -> Any:
+        """A metadata value that must be there unless it has a default."""
+        value = self.metadata.get(key, default)
+        if value is _MISSING:
+            raise ValueError(f"{self.path}: GGUF metadata key {key!r} is missing")
+        return value
+
+    def int_field(self, key: str, default: Any = _MISSING) -> int:
+        value = self.field(key, default)
+        if isinstance(value, list):  # per-layer values (llama.cpp allows them for some keys)
+            if len(set(value)) != 1:
+                raise ValueError(f"{self.path}: GGUF metadata {key!r} differs between layers "
+                                 f"({value}); jaxserve needs one value for all layers")
+            value = value[0]
+        return int(value)
+
+    def token_id(self, key: str) -> int | None:
+        """`tokenizer.ggml.{key}` when it names a token of the vocabulary (files write -1 as
+        0xFFFFFFFF for "none")."""
+        value = self.metadata.get(f"tokenizer.ggml.{key}")
+        tokens = self.metadata.get("tokenizer.ggml.tokens") or ()
+        return int(value) if value is not None and 0 <= value < len(tokens) else None
+
+    def f32_field(self, key: str, default: float) -> float:
+        """The shortest decimal that rounds to the stored float32 (GGUF stores 1e-5 as one)."""
+        return float(np.format_float_positional(np.float32(self.field(key, default))))
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
@@ -128,7 +159,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         except ValueError:
             raise ValueError(f"{path}: tensor {name!r} has unknown GGUF type {kind}") from None
         tensors[name] = _tensor(mapped, path, name, dims, qtype, start + offset)
-    return GGUFFile(metadata, tensors)
+    return GGUFFile(path, metadata, tensors)
 
 
 def _tensor(mapped: np.ndarray, path: Path, name: str, dims: list[int],

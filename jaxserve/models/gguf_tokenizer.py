@@ -14,14 +14,6 @@ from jaxserve.models.tokenizer_builders import (CONTROL, NORMAL, byte_level_bpe,
 _NO_VOCAB = ("none", "no_vocab")
 
 
-def special_token_id(gguf: GGUFFile, key: str) -> int | None:
-    """`tokenizer.ggml.{key}` when it names a token of the vocabulary (files write -1 as
-    0xFFFFFFFF for "none")."""
-    value = gguf.get(f"tokenizer.ggml.{key}")
-    tokens = gguf.get("tokenizer.ggml.tokens") or ()
-    return int(value) if value is not None and 0 <= value < len(tokens) else None
-
-
 def read_gguf_tokenizer(gguf: GGUFFile, path: Path) -> HFTokenizer | None:
     """None when the file has no vocabulary."""
     kind = gguf.get("tokenizer.ggml.model")
@@ -30,8 +22,8 @@ def read_gguf_tokenizer(gguf: GGUFFile, path: Path) -> HFTokenizer | None:
         return None
     if tokens is None:
         raise ValueError(f"{path}: GGUF metadata key 'tokenizer.ggml.tokens' is missing")
-    bos, eos = special_token_id(gguf, "bos_token_id"), special_token_id(gguf, "eos_token_id")
-    unk = special_token_id(gguf, "unknown_token_id")
+    bos, eos = gguf.token_id("bos_token_id"), gguf.token_id("eos_token_id")
+    unk = gguf.token_id("unknown_token_id")
     types = gguf.get("tokenizer.ggml.token_type")
     try:
         if kind == "llama":

@@ -9,37 +9,12 @@ from typing import Any
 import ml_dtypes  # noqa: F401  registers numpy's "bfloat16", which safetensors asks for
 import numpy as np
 
-from jaxserve.models.llama_config import LlamaConfig, check_params, param_shapes
+from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loaded_model import LoadedModel, read_json
+from jaxserve.models.registry import check_params, config_from_hf, family_of
 from jaxserve.models.tokenizer import load_hf_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
-
-# canonical name -> (HF name inside `model.layers.{i}.`, stored as torch Linear [out, in])
-_LAYER_TENSORS = {
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-}
-_GLOBAL_TENSORS = {
-    "embed": ("model.embed_tokens.weight", False),
-    "final_norm": ("model.norm.weight", False),
-    "lm_head": ("lm_head.weight", False),
-}
-# Present in some checkpoints, never needed: RoPE tables are recomputed from the config.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
 
 def read_generation_config(directory: Path) -> dict[str, Any]:
     gen_file = directory / "generation_config.json"
@@ -51,7 +26,7 @@ def read_hf_config(directory: Path) -> LlamaConfig:
     if cfg.get("mlp_bias"):
         raise ValueError(f"{directory}/config.json: mlp_bias=true is not supported")
     try:
-        config = LlamaConfig.from_hf_dict(cfg)
+        config = config_from_hf(cfg, f"{directory}/config.json")
     except KeyError as e:
         raise ValueError(f"{directory}/config.json: missing key {e.args[0]!r}") from e
     eos = read_generation_config(directory).get("eos_token_id")
@@ -116,24 +91,25 @@ class _TensorReader:
 
 
 def load_hf_params(directory: Path, config: LlamaConfig) -> dict[str, np.ndarray]:
+    family = family_of(config)
+    names = family.hf_names
     files = _weight_files(directory)
     params: dict[str, np.ndarray] = {}
     with contextlib.ExitStack() as stack:
         reader = _TensorReader(files, stack)
-        for name, shape in param_shapes(config).items():
-            if name in _GLOBAL_TENSORS:
-                hf_name, transpose = _GLOBAL_TENSORS[name]
-                params[name] = np.ascontiguousarray(reader.get(hf_name, shape, transpose),
+        for name, shape in family.param_shapes(config).items():
+            transpose = name in names.transposed
+            if not names.per_layer(name):
+                params[name] = np.ascontiguousarray(reader.get(names.name(name), shape, transpose),
                                                     dtype=np.float32)
                 continue
-            suffix, transpose = _LAYER_TENSORS[name]
             out = np.empty(shape, np.float32)
-            for layer in range(config.num_layers):
-                out[layer] = reader.get(f"model.layers.{layer}.{suffix}", shape[1:], transpose)
+            for layer, tensor in enumerate(names.names(name, config.num_layers)):
+                out[layer] = reader.get(tensor, shape[1:], transpose)
             params[name] = out
     unused = sorted(n for n in set(files) - reader.used
-                    if not n.endswith(_IGNORED_SUFFIXES)
-                    and not (n == "lm_head.weight" and config.tie_word_embeddings))
+                    if not n.endswith(names.ignored_suffixes)
+                    and not (n == names.name("lm_head") and config.tie_word_embeddings))
     if unused:
         raise ValueError(f"{directory}: unexpected tensors for {config.architecture}: "
                          f"{unused[:5]}{' ...' if len(unused) > 5 else ''}")

@@ -21,24 +21,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental.layout import Layout, with_layout_constraint
 
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
+from jaxserve.layers.attention_block import AttentionShape, attention_block
 from jaxserve.layers.collective_matmul import CollectiveMatmul
-from jaxserve.layers.rotary import (apply_rotary, inverse_frequencies, lookup_angles,
-                                    rotary_angles, rotary_table)
+from jaxserve.layers.mlp import gated_mlp
+from jaxserve.layers.norm import rms_norm
+from jaxserve.layers.rotary import inverse_frequencies, lookup_angles, rotary_angles, rotary_table
 from jaxserve.models.llama_config import LlamaConfig
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
                 "bq", "bk", "bv", "q_norm", "k_norm")
 # The layer weights the dense layers read, each [(L,) K, N]
 DENSE_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
 
 
 class Llama(nnx.Module):
@@ -128,43 +123,14 @@ class Llama(nnx.Module):
                collective: CollectiveMatmul | None,
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
-
-        def linear(x: jax.Array, name: str) -> jax.Array:
-            """A row-parallel layer (o, down) under tensor parallelism."""
-            if collective is not None:
-                return collective.scattered(x, w[name])
-            return x @ w[name]
-
-        def linears(x: jax.Array, names: tuple[str, ...]) -> list[jax.Array]:
-            """Column-parallel layers (q/k/v, gate/up) under tensor parallelism."""
-            if collective is not None:
-                return collective.gathered(x, [w[name] for name in names])
-            return [x @ w[name] for name in names]
-
+        shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                               cfg.sliding_window)
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        # Row-major projections: left free, TPU's compiler folds the heads' reshape and the
-        # kernels' head-major transposes into these dots and relays out wq/wk/wv to suit them,
-        # rewriting those weights every step (a layer's slice, or the whole stack for layer skip).
-        q, k, v = (with_layout_constraint(y, Layout(major_to_minor=(0, 1)))
-                   for y in linears(h, ("wq", "wk", "wv")))
-        if cfg.attention_bias:
-            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-        T = x.shape[0]
-        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-        q = apply_rotary(q, angles)
-        k = apply_rotary(k, angles)
-        o, k_cache, v_cache = backend.write_and_attend(
-            q, k, v, k_cache, v_cache, index, md, sm_scale=cfg.head_dim ** -0.5,
-            sliding_window=cfg.sliding_window)
-        x = x + linear(o.reshape(T, -1), "wo")
+        o, k_cache, v_cache = attention_block(h, w, index, k_cache, v_cache, md, backend, angles,
+                                              collective, shape)
+        x = x + o
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        gate, up = linears(h, ("w_gate", "w_up"))
-        x = x + linear(jax.nn.silu(gate) * up, "w_down")
+        x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], collective)
         return x, k_cache, v_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> f32[N, V]

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.models.llama_config import LlamaConfig, check_params
+from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loaded_model import LoadedModel
+from jaxserve.models.registry import check_params
 from jaxserve.models.tokenizer import HFTokenizer
 from jaxserve.models.tokenizer_builders import SPACE, infer_token_types, sentencepiece_bpe
 

@@ -1,7 +1,8 @@
 """Architecture switches of the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3).
 
-One dataclass covers the family; loaders fill it from an HF `config.json`, a GGUF header or a
-llama2.c header. Parameter names and shapes of the canonical weight dict are `param_shapes`.
+One dataclass covers the family; loaders fill it from an HF `config.json` (`from_hf_dict`), a
+GGUF header (`from_gguf`) or a llama2.c header. Parameter names and shapes of the canonical
+weight dict are `param_shapes`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,13 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-# HF `architectures` entries we implement, mapped to the switches they imply.
-SUPPORTED_ARCHITECTURES = {
+import numpy as np
+
+from jaxserve.models.gguf_file import GGUFFile
+from jaxserve.models.llama_weights import GGUF_NAMES
+
+# The HF `architectures` of the family, mapped to the switches they imply.
+ARCHITECTURE_SWITCHES = {
     "LlamaForCausalLM": {},
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"attention_bias": True},
@@ -103,12 +109,11 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "LlamaConfig":
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; jaxserve supports "
-                             f"{sorted(SUPPORTED_ARCHITECTURES)}")
-        implied = SUPPORTED_ARCHITECTURES[arch]
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in ARCHITECTURE_SWITCHES:
+            raise ValueError(f"architectures: {arch!r} is not a Llama-family architecture "
+                             f"({sorted(ARCHITECTURE_SWITCHES)})")
+        implied = ARCHITECTURE_SWITCHES[arch]
         num_heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
         for name, value in (("num_attention_heads", num_heads), ("hidden_size", hidden)):
             if not _is_int(value) or value <= 0:
@@ -155,6 +160,47 @@ class LlamaConfig:
             bos_token_id=cfg.get("bos_token_id", 1),
             eos_token_ids=eos_ids,
             architecture=arch,
+        )
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, architecture: str) -> "LlamaConfig":
+        """A GGUF's llama.cpp metadata (`{general.architecture}.*`); `architecture`: the HF
+        name it stands for."""
+        tensors, path = gguf.tensors, gguf.path
+        arch = gguf.field("general.architecture")
+        scaling = gguf.field(f"{arch}.rope.scaling.type", "none")
+        if scaling != "none" or "rope_freqs.weight" in tensors:
+            what = scaling if scaling != "none" else "rope_freqs (llama3)"
+            raise ValueError(f"{path}: GGUF rope scaling {what!r} is not supported")
+        hidden = gguf.int_field(f"{arch}.embedding_length")
+        heads = gguf.int_field(f"{arch}.attention.head_count")
+        embed = tensors[GGUF_NAMES.name("embed")]
+        tokens = gguf.get("tokenizer.ggml.tokens")
+        vocab = gguf.field(f"{arch}.vocab_size", None)
+        if vocab is None:
+            vocab = len(tokens) if tokens is not None else embed.shape[0]
+        output = tensors.get(GGUF_NAMES.name("lm_head"))
+        tied = output is None or (output.qtype == embed.qtype
+                                  and np.array_equal(output.data, embed.data))
+        # Generation ends at EOS and, as in llama.cpp, at end-of-turn / end-of-message tokens.
+        eos = [gguf.token_id(k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+        return cls(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=gguf.int_field(f"{arch}.feed_forward_length"),
+            num_layers=gguf.int_field(f"{arch}.block_count"),
+            num_heads=heads,
+            num_kv_heads=gguf.int_field(f"{arch}.attention.head_count_kv", heads),
+            head_dim=gguf.int_field(f"{arch}.attention.key_length", hidden // heads),
+            rms_norm_eps=gguf.f32_field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=gguf.f32_field(f"{arch}.rope.freq_base", 10000.0),
+            max_position_embeddings=gguf.int_field(f"{arch}.context_length", 2048),
+            tie_word_embeddings=tied,
+            attention_bias=GGUF_NAMES.name("bq", 0) in tensors,
+            qk_norm=ARCHITECTURE_SWITCHES[architecture].get("qk_norm", False),
+            bos_token_id=gguf.token_id("bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
+            architecture=architecture,
         )
 
     def replace(self, **changes: Any) -> "LlamaConfig":
@@ -213,18 +259,3 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (V, D)
     return shapes
-
-
-def check_params(cfg: LlamaConfig, params: dict[str, Any], source: str) -> None:
-    """Raise a ValueError naming the first missing, unexpected or mis-shaped tensor."""
-    expected = param_shapes(cfg)
-    missing = sorted(set(expected) - set(params))
-    if missing:
-        raise ValueError(f"{source}: missing weights {missing}")
-    extra = sorted(set(params) - set(expected))
-    if extra:
-        raise ValueError(f"{source}: unexpected weights {extra}")
-    for name, shape in expected.items():
-        got = tuple(params[name].shape)
-        if got != shape:
-            raise ValueError(f"{source}: weight {name!r} has shape {got}, expected {shape}")

@@ -1,6 +1,6 @@
 """The one entry point for weights: `load_model(path, load_format)` -> config, canonical float32
-params (see `llama_config.param_shapes`) and the tokenizer; and for a tokenizer named on its
-own, `load_tokenizer(path, config)`."""
+params (a family's `param_shapes`, models/registry.py) and the tokenizer; and for a tokenizer
+named on its own, `load_tokenizer(path, config)`."""
 
 from __future__ import annotations
 
@@ -13,15 +13,14 @@ import numpy as np
 from jaxserve.config import LOAD_FORMATS, ModelConfig
 from jaxserve.models.checkpoint_io import load_converted
 from jaxserve.models.gguf_file import read_gguf
-from jaxserve.models.gguf_loader import load_gguf, read_gguf_config
+from jaxserve.models.gguf_loader import load_gguf
 from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
 from jaxserve.models.hf_loader import load_hf, read_generation_config, read_hf_config
 from jaxserve.models.llama2c_loader import llama2c_tokenizer, load_llama2c
-from jaxserve.models.llama_config import LlamaConfig, check_params, param_shapes
+from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
+from jaxserve.models.registry import check_params, config_from_gguf, family_of
 from jaxserve.models.tokenizer import Tokenizer, load_hf_tokenizer
-
-_NORMS = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
 
 
 def detect_format(path: Path) -> str:
@@ -42,10 +41,11 @@ def detect_format(path: Path) -> str:
 
 def dummy_params(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Random weights in the canonical layout: normal(0, 0.02), norm scales 1 (vLLM's dummy)."""
+    family = family_of(config)
     rng = np.random.default_rng(seed)
     params: dict[str, np.ndarray] = {}
-    for name, shape in param_shapes(config).items():
-        if name in _NORMS:
+    for name, shape in family.param_shapes(config).items():
+        if name in family.norm_params:
             params[name] = np.ones(shape, np.float32)
         else:
             params[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
@@ -112,7 +112,7 @@ def start_loading(m: ModelConfig) -> LoadingModel:
         done: Future[LoadedModel] = Future()
         done.set_result(loaded)
         return LoadingModel(loaded.config, done)
-    config = read_gguf_config(read_gguf(p), p)
+    config = config_from_gguf(read_gguf(p))
     if m.hf_overrides:
         config = config.with_hf_overrides(m.hf_overrides)
     pool = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-weights")
@@ -144,7 +144,7 @@ def read_model_config(path: str | Path) -> LlamaConfig:
     """A checkpoint's config without its weights: an HF directory or a GGUF file."""
     p = Path(path)
     if p.suffix == ".gguf" and p.is_file():
-        return read_gguf_config(read_gguf(p), p)
+        return config_from_gguf(read_gguf(p))
     if (p / "config.json").is_file():
         return read_hf_config(p)
     raise ValueError(f"{str(p)!r}: no config.json and not a GGUF file; the model's config is "
