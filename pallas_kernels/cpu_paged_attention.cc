@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -344,7 +345,8 @@ void AttendItem(const Shape& s, const Params& p, const float* q, const KV* k_cac
   // Row i's scores of positions [first_page * BS, last) in whole vectors; positions it does not
   // see (before its window, from its end on) hold kMaskValue, so the softmax gives them 0.
   const int64_t base = first_page * BS;
-  const int64_t width = (last - base + 2 * kLanes - 1) / kLanes * kLanes;
+  // Bad metadata can put every row's window past the table's end: no positions, no scores.
+  const int64_t width = (std::max<int64_t>(last - base, 0) + 2 * kLanes - 1) / kLanes * kLanes;
   scores.assign(n * width, kMaskValue);
   for (int64_t page = first_page; page * BS < last; ++page) {
     const float* kp = page_of(k_cache, page, k_buf);
@@ -447,18 +449,70 @@ void Attend(const Shape& s, const Params& p, const float* q, const void* k_cache
   });
 }
 
+// "[2, 3]": a buffer's dimensions, for the errors below.
+std::string DimsText(ffi::Span<const int64_t> dims) {
+  std::string text = "[";
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+  return text + "]";
+}
+
+// What is wrong with the buffers' shapes and dtypes, naming the buffer ("" when nothing): the
+// kernel indexes every buffer by q's, the caches' and block_tables' dims without looking again,
+// so a mis-shaped call would read and write outside them.
+std::string ShapeError(const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer& k_cache,
+                       const ffi::AnyBuffer& v_cache, const ffi::Buffer<ffi::S32>& layer,
+                       const ffi::Buffer<ffi::S32>& seq_lens,
+                       const ffi::Buffer<ffi::S32>& block_tables,
+                       const ffi::Buffer<ffi::S32>& query_start_loc,
+                       ffi::Span<const int64_t> out_dims) {
+  using std::to_string;
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
+  const auto ld = seq_lens.dimensions(), sd = query_start_loc.dimensions();
+  if (qd.size() != 3) return "q must be [T, Hq, D], got " + DimsText(qd);
+  if (kd.size() != 5 || *std::min_element(kd.begin(), kd.end()) < 1 || kd[4] != qd[2]) {
+    return "k_cache must be [L, Hkv, NB, BS, D], each at least 1 and D q's " +
+           to_string(qd[2]) + ", got " + DimsText(kd);
+  }
+  if (qd[1] < kd[1] || qd[1] % kd[1] != 0) {
+    return "q's heads (" + to_string(qd[1]) + ") must be a multiple of k_cache's KV heads (" +
+           to_string(kd[1]) + ")";
+  }
+  if (!(v_cache.dimensions() == kd) || v_cache.element_type() != k_cache.element_type()) {
+    return "v_cache must have k_cache's shape " + DimsText(kd) + " and dtype, got " +
+           DimsText(v_cache.dimensions());
+  }
+  if (k_cache.element_type() != ffi::F32 && k_cache.element_type() != ffi::BF16) {
+    return "k_cache and v_cache must be f32 or bf16";
+  }
+  if (layer.element_count() != 1) {
+    return "layer must be one index, got " + DimsText(layer.dimensions());
+  }
+  if (td.size() != 2) return "block_tables must be [R, P], got " + DimsText(td);
+  if (ld.size() != 1 || ld[0] != td[0]) {
+    return "seq_lens must be [R], R = block_tables' " + to_string(td[0]) + ", got " +
+           DimsText(ld);
+  }
+  if (sd.size() != 1 || sd[0] != td[0] + 1) {
+    return "query_start_loc must be [R + 1], R = block_tables' " + to_string(td[0]) +
+           ", got " + DimsText(sd);
+  }
+  if (!(out_dims == qd)) {
+    return "out must have q's shape " + DimsText(qd) + ", got " + DimsText(out_dims);
+  }
+  return "";
+}
+
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                           ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> block_tables,
                           ffi::Buffer<ffi::S32> query_start_loc,
                           ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
                           int64_t window) {
+  const std::string error = ShapeError(q, k_cache, v_cache, layer, seq_lens, block_tables,
+                                       query_start_loc, out->dimensions());
+  if (!error.empty()) return ffi::Error::InvalidArgument("paged attention: " + error);
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
-  if (qd.size() != 3 || kd.size() != 5 || k_cache.element_type() != v_cache.element_type()) {
-    return ffi::Error::InvalidArgument(
-        "paged attention: q [T, Hq, D], caches [L, Hkv, NB, BS, D]");
-  }
   const auto td = block_tables.dimensions();
   Shape s{qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], td[0], td[1], qd[1] / kd[1]};
   const int32_t layer_index = std::clamp<int32_t>(layer.typed_data()[0], 0, kd[0] - 1);
@@ -466,18 +520,14 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const auto* lens = seq_lens.typed_data();
   const auto* tables = block_tables.typed_data();
   const auto* starts = query_start_loc.typed_data();
-  switch (k_cache.element_type()) {
-    case ffi::F32:
-      Attend<float>(s, p, q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), lens,
-                    tables, starts, out->typed_data(), pool);
-      return ffi::Error::Success();
-    case ffi::BF16:
-      Attend<uint16_t>(s, p, q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(),
-                       lens, tables, starts, out->typed_data(), pool);
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("paged attention: KV cache must be f32 or bf16");
+  if (k_cache.element_type() == ffi::F32) {
+    Attend<float>(s, p, q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), lens,
+                  tables, starts, out->typed_data(), pool);
+  } else {
+    Attend<uint16_t>(s, p, q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(), lens,
+                     tables, starts, out->typed_data(), pool);
   }
+  return ffi::Error::Success();
 }
 
 }  // namespace

@@ -124,7 +124,7 @@ def _pallas_kernels(kind: str, interpret: bool) -> tuple[AttendFn, FusedFn | Non
 def get_attention_backend(name: str, platform: str | None = None, mesh: Mesh | None = None,
                           decode_rows: int = 1) -> AttentionBackend:
     """`auto` is the Pallas kernel on TPU and GPU, and on CPU `cpu` where its native kernels
-    build, else `xla`. `cpu` is a native C++ kernel (compiled on first use), the dense layers
+    build, else `xla`. `cpu` is a native C++ kernel (compiled on first import), the dense layers
     XLA's dots either way: on an AVX2 EPYC whole engines ran decode-heavy work 14-17% faster on
     `cpu`, prefill-heavy 10% faster to 18% slower (results/bench_cpu_kernels_after_matmul.md).
     `pallas_interpret` runs the TPU
