@@ -74,19 +74,20 @@ def resolve_plan(config: EngineConfig, cfg: LlamaConfig, platform: str,
     block_size = config.cache.block_size
     per_seq = -(-max_model_len // block_size)
     token_buckets, request_buckets = step_buckets(config)
+    k = num_speculative_tokens(config)
     num_kv_blocks = config.cache.num_kv_blocks
     return ResolvedPlan(
         platform=platform, mesh_shape=tuple(mesh.devices.shape),
         mesh_axes=tuple(mesh.axis_names), dtype=_dtype(config.model.dtype, platform),
         max_model_len=max_model_len, block_size=block_size, blocks_per_seq=per_seq,
         token_buckets=tuple(token_buckets), request_buckets=tuple(request_buckets),
-        num_speculative_tokens=num_speculative_tokens(config),
-        max_sample_rows=max_sample_rows(config),
+        num_speculative_tokens=k,
+        max_sample_rows=max_sample_rows(bucket_pairs(token_buckets, request_buckets), k),
         num_kv_blocks=per_seq + 1 if num_kv_blocks is None else num_kv_blocks)
 
 
 def _dtype(configured: str, platform: str) -> np.dtype:
-    """"auto" is float32 on CPU, bfloat16 elsewhere."""
+    """The weights' and KV cache's dtype: "auto" is float32 on CPU, bfloat16 elsewhere."""
     if configured == "auto":
         return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
     return jnp.dtype(configured)

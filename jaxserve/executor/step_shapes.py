@@ -78,11 +78,9 @@ def step_variants(T: int, R: int, num_drafts: int) -> list[tuple[int, bool]]:
     return [(R, False)] + ([(min(T, R * (1 + num_drafts)), True)] if drafting else [])
 
 
-def max_sample_rows(config: EngineConfig) -> int:
-    """The length of `prev_sampled`: the most rows any step samples."""
-    token_buckets, request_buckets = step_buckets(config)
-    k = num_speculative_tokens(config)
-    return max(min(T, R * (1 + k)) for T, R in bucket_pairs(token_buckets, request_buckets))
+def max_sample_rows(pairs: list[tuple[int, int]], num_drafts: int) -> int:
+    """The length of `prev_sampled`: the most rows any step of these (T, R) shapes samples."""
+    return max(min(T, R * (1 + num_drafts)) for T, R in pairs)
 
 
 def warm_up_programs(token_buckets: Sequence[int], request_buckets: Sequence[int],
