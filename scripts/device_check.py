@@ -56,7 +56,6 @@ def time_buckets(preset: Path, layers: int | None, buckets: str | None, num_kv_b
     from jaxserve.executor.sharding import padded_vocab_size
     from jaxserve.executor.step_cost import step_cost
     from jaxserve.executor.step_floor import bucket_scenarios, scenario_step, step_floor
-    from jaxserve.executor.step_shapes import bucket_pairs, step_buckets
     from jaxserve.executor.targets import chip_of
 
     model = Path(tempfile.mkdtemp()) / "llama-3-8b"  # the config alone: random weights
@@ -70,19 +69,19 @@ def time_buckets(preset: Path, layers: int | None, buckets: str | None, num_kv_b
         "compilation_cache_dir": ""} | ({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})
     llm = LLM(**kwargs)
     worker = llm.engine.core.executor.worker
-    runner, config = worker.runner, llm.engine.config
+    runner, config, plan = worker.runner, llm.engine.config, worker.plan
     tp = config.parallel.tensor_parallel_size
     cfg = device_model_config(worker.model.cfg, tp)
     chip = chip_of(jax.devices()[0].device_kind)
     weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.params))
     rows = []
     pairs = ([tuple(int(n) for n in pair.split(":")) for pair in buckets.split(",")] if buckets
-             else bucket_pairs(*step_buckets(config)))
+             else plan.bucket_pairs)
     for T, R in pairs:
-        for scenario in bucket_scenarios(T, R, worker.max_model_len, step_buckets(config)[0]):
+        for scenario in bucket_scenarios(T, R, plan.max_model_len, plan.token_buckets):
             try:
-                arrays = scenario_step(scenario.batch, T, R, config.cache.block_size,
-                                       runner.max_blocks_per_seq, runner.k_cache.shape[2])
+                arrays = scenario_step(scenario.batch, T, R, plan.block_size,
+                                       plan.blocks_per_seq, plan.num_kv_blocks)
             except ValueError as e:
                 print(f"T {T}  R {R}  batch {scenario.label}  skipped: {e}", flush=True)
                 continue

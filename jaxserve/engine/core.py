@@ -44,7 +44,6 @@ from jaxserve.engine.kv_connector import KVConnector
 from jaxserve.engine.spec_switch import SpeculationSwitch
 from jaxserve.engine.stats import EngineStats
 from jaxserve.executor.executor import Executor, PendingStep, UnexpectedCompilationError
-from jaxserve.executor.resolved import check_pool_holds_a_sequence
 from jaxserve.models.loaded_model import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -73,12 +72,9 @@ class EngineCore:
         self.executor = Executor(config, loaded)
         built = self.executor.built
         self.model_config = built[0].model_config
-        self.max_model_len = built[0].max_model_len
+        self.max_model_len = built[0].plan.max_model_len
         self.tokenizer = built[0].tokenizer
         self.generation_config = built[0].generation_config
-        for b in built:
-            check_pool_holds_a_sequence(b.num_kv_blocks, b.max_model_len,
-                                        config.cache.block_size)
         if config.model.max_logprobs > self.model_config.vocab_size:
             raise ValueError(f"max_logprobs must be <= the vocabulary size "
                              f"({self.model_config.vocab_size}), got {config.model.max_logprobs}")
@@ -90,7 +86,7 @@ class EngineCore:
         hash_seed = config.cache.prefix_caching_hash_seed
         role = KVConsumer if connector is not None else producer
         self.schedulers = [
-            Scheduler(config.scheduler, config.cache, b.num_kv_blocks, b.max_model_len,
+            Scheduler(config.scheduler, config.cache, b.plan.num_kv_blocks, b.plan.max_model_len,
                       self.model_config.eos_token_ids,
                       hash_seed=config.model.seed if hash_seed is None else hash_seed,
                       connector=None if role is None else role())

@@ -15,9 +15,8 @@ from jaxserve.executor import compiled_dir
 from jaxserve.executor.compile_check import device_draft_config, device_model_config, prepare
 from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.device_step import STEP_LOGITS, ProgramKey, step_key
-from jaxserve.executor.step_shapes import num_speculative_tokens, step_buckets, warm_up_programs
 from jaxserve.executor.packing import pack
-from jaxserve.executor.resolved import resolve_max_model_len
+from jaxserve.executor.program_order import planned_programs
 from jaxserve.executor.targets import Target
 from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.models.llama_config import LlamaConfig
@@ -64,20 +63,14 @@ def build_on_host(config: EngineConfig, out: str | Path) -> tuple[Path, int]:
 def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
                      out: str | Path) -> tuple[Path, int]:
     """Compile deviceless for the target; weights are abstract, so a model config suffices."""
-    program, report = prepare(target, cfg, config)
-    token_buckets, request_buckets = step_buckets(config)
-    programs, left = compile_all(program, warm_up_programs(
-        token_buckets, request_buckets, program.max_blocks_per_seq, cfg.eos_token_ids,
-        config.model.max_logprobs, cfg.vocab_size, num_speculative_tokens(config)))
+    program, _, plan = prepare(target, cfg, config)
+    programs, left = compile_all(program, planned_programs(config, cfg, plan))
     caches = [program.kv, program.kv, *(program.draft_kv or ())]
     programs[compiled_dir.KV_INIT] = jax.jit(
         lambda: tuple(jnp.zeros(kv.shape, kv.dtype) for kv in caches),
         out_shardings=tuple(kv.sharding for kv in caches)).trace().lower().compile()
-    max_model_len = resolve_max_model_len(config, cfg)
     fp = compiled_dir.fingerprint(
-        config, device_model_config(cfg, config.parallel.tensor_parallel_size),
-        platform=target.platform,
-        device_kind=target.device_kind, num_blocks=report.num_blocks,
-        max_model_len=max_model_len,
-        draft=device_draft_config(config, cfg, max_model_len))
+        config, device_model_config(cfg, config.parallel.tensor_parallel_size), plan,
+        device_kind=target.device_kind,
+        draft=device_draft_config(config, cfg, plan.max_model_len))
     return compiled_dir.save(out, programs, fp, left), len(programs)

@@ -35,9 +35,8 @@ from jaxserve.executor.draft_model import FIELD as DRAFT_FIELD, check_draft, rea
 from jaxserve.executor.sharding import (AXIS, padded_vocab_size,
                                            param_sharding, validate_tensor_parallel)
 from jaxserve.executor.mesh import tp_mesh
-from jaxserve.executor.resolved import min_kv_blocks, resolve_dtype, resolve_max_model_len
-from jaxserve.executor.step_shapes import (bucket_pairs, num_speculative_tokens, step_buckets,
-                                           step_variants)
+from jaxserve.executor.resolved import ResolvedPlan, resolve_plan
+from jaxserve.executor.step_shapes import step_variants
 from jaxserve.executor.step_program import (ModelParts, StepProgram, kv_blocks_for,
                                             largest_step_bytes, step_program)
 from jaxserve.executor.step_cost import step_cost
@@ -125,7 +124,7 @@ class CostContext:
     itemsize: int
     vocab_size: int  # padded for TP
     max_model_len: int
-    token_buckets: list[int]
+    token_buckets: tuple[int, ...]
 
 
 # ---- one compile ---------------------------------------------------------------------------
@@ -219,22 +218,21 @@ def compile_bucket(program: StepProgram, num_tokens: int, num_reqs: int,
 # ---- the whole check -----------------------------------------------------------------------
 def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: str = "kernel",
             attention_tiles: dict[str, int] | None = None,
-            ) -> tuple[StepProgram, CompileReport]:
+            ) -> tuple[StepProgram, CompileReport, ResolvedPlan]:
     """The abstract step on the target's first TP devices, with the KV pool sized from the
-    device's memory unless `num_kv_blocks` is set, and an empty report. `kv_write="scatter"`
-    puts XLA's scatter beside the attention kernel, the write that copied the cache on TPU;
-    `attention_tiles`: the kernel's tile arguments instead of its defaults."""
+    device's memory unless `num_kv_blocks` is set, an empty report and the engine's plan.
+    `kv_write="scatter"` puts XLA's scatter beside the attention kernel, the write that copied
+    the cache on TPU; `attention_tiles`: the kernel's tile arguments instead of its defaults."""
     tp = config.parallel.tensor_parallel_size
     if tp > len(target.devices):
         raise ValueError(f"tensor_parallel_size {tp} needs {tp} devices; {target.name} has "
                          f"{len(target.devices)}")
     cfg = device_model_config(cfg, tp)
     mesh = tp_mesh(list(target.devices[:tp]))
-    max_model_len = resolve_max_model_len(config, cfg)
-    bs = config.cache.block_size
-    dtype = resolve_dtype(config, target.platform)
+    plan = resolve_plan(config, cfg, target.platform, mesh)
+    bs, dtype = plan.block_size, plan.dtype
     backend = get_attention_backend(config.runner.attention_backend, target.platform, mesh,
-                                    decode_rows=1 + num_speculative_tokens(config))
+                                    decode_rows=1 + plan.num_speculative_tokens)
     if kv_write == "scatter":
         backend = dataclasses.replace(backend, fused=None)
     if attention_tiles:
@@ -242,7 +240,7 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
             backend, kernel=functools.partial(backend.kernel, **attention_tiles),
             fused=backend.fused and functools.partial(backend.fused, **attention_tiles))
     scan = config.runner.scans_layers(target.platform)
-    draft_cfg = device_draft_config(config, cfg, max_model_len)
+    draft_cfg = device_draft_config(config, cfg, plan.max_model_len)
     cfgs = [cfg] + ([] if draft_cfg is None else [draft_cfg])
     model = ModelParts(*abstract_model(cfg, mesh, dtype, scan), cfg)
     draft = None if draft_cfg is None else ModelParts(
@@ -251,29 +249,29 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
     weight_bytes = per_device_bytes(model.state) + per_device_bytes(draft and draft.state)
     utilization = config.cache.gpu_memory_utilization
     allocator = allocator_fraction(default=utilization)  # the fraction the engine will set
-    num_blocks = config.cache.num_kv_blocks
-    if num_blocks is None:  # profile the largest step on a minimal pool, then size the pool
+    if config.cache.num_kv_blocks is None:  # profile the largest step, then size the pool
         try:
-            step = largest_step_bytes(model, config, backend, max_model_len, draft)
+            step = largest_step_bytes(model, config, backend, plan, draft)
         except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
             raise ValueError(f"the largest step does not compile on {target.name}: "
                              f"{_first_line(e)}") from None
         planned = target.hbm_bytes * planning_fraction(target.platform, utilization, allocator)
-        num_blocks = max(min_kv_blocks(max_model_len, bs),
-                         kv_blocks_for(int(planned), weight_bytes, step, block_bytes))
-    program = step_program(model, config, backend, num_blocks, max_model_len, draft)
+        plan = plan.with_pool(max(plan.min_kv_blocks, kv_blocks_for(
+            int(planned), weight_bytes, step, block_bytes)), block_bytes)
+    program = step_program(model, config, backend, plan, draft)
+    num_blocks = plan.num_kv_blocks
     layer_kv_bytes = min(kv_cache_bytes_per_block(c, bs, dtype) * num_blocks
                          // (2 * c.num_layers * tp) for c in cfgs)
     gpu = target.platform == "gpu"
     report = CompileReport(target.name, target.device_kind, target.hbm_bytes, cfg.num_layers,
-                           tp, jnp.dtype(dtype).name, bs, num_blocks, weight_bytes,
+                           tp, dtype.name, bs, num_blocks, weight_bytes,
                            num_blocks * block_bytes, layer_kv_bytes,
                            int((allocator if gpu else 1.0) * target.hbm_bytes),
                            int((GPU_PLANNING_FRACTION if gpu else 1.0) * target.hbm_bytes),
                            0 if draft_cfg is None else draft_cfg.num_layers)
     report.weight_dims = weight_dims(model.state, scan) | (
         set() if draft is None else weight_dims(draft.state, scan))
-    return program, report
+    return program, report, plan
 
 
 def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
@@ -283,15 +281,13 @@ def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
     """Compile the model step for every bucket (or the given ones) on the target, in each of
     its variants with speculative decoding on (more sample rows; the drafting program).
     `dump_hlo`: a directory to write each compiled program's HLO text to."""
-    program, report = prepare(target, cfg, config, kv_write, attention_tiles)
+    program, report, plan = prepare(target, cfg, config, kv_write, attention_tiles)
     tp = config.parallel.tensor_parallel_size
     context = CostContext(target.chip, device_model_config(cfg, tp), tp, report.weight_bytes,
-                          jnp.dtype(report.dtype).itemsize, padded_vocab_size(cfg.vocab_size, tp),
-                          resolve_max_model_len(config, cfg),
-                          step_buckets(config)[0])
-    k = num_speculative_tokens(config)
-    for T, R in buckets or bucket_pairs(*step_buckets(config)):
-        for S, drafting in step_variants(T, R, k):
+                          plan.dtype.itemsize, padded_vocab_size(cfg.vocab_size, tp),
+                          plan.max_model_len, plan.token_buckets)
+    for T, R in buckets or plan.bucket_pairs:
+        for S, drafting in step_variants(T, R, plan.num_speculative_tokens):
             report.buckets.append(compile_bucket(program, T, R, report.layer_kv_bytes,
                                                  report.weight_dims, context, S, drafting,
                                                  dump_hlo))

@@ -4,7 +4,8 @@
 bucket, each sampler variant) and the one that allocates the KV pool; an engine given
 `compiled_dir` loads them and calls them directly, compiling nothing. The manifest's
 fingerprint (jax/jaxlib/plugin versions, target, model config and the draft model's, every
-engine argument that affects shapes or sharding, the KV pool size) must equal the engine's
+engine argument that affects shapes or sharding, the resolved plan: KV pool size, buckets,
+dtype, mesh) must equal the engine's
 own; each file's sha256 is checked before it is unpickled, so a corrupt or truncated file is
 refused, never loaded. Load only directories you built: files are pickles.
 """
@@ -28,15 +29,17 @@ import jax
 from jax.experimental import serialize_executable
 
 from jaxserve.config import EngineConfig
+from jaxserve.executor.resolved import ResolvedPlan
 from jaxserve.models.llama_config import LlamaConfig
 
 MANIFEST = "manifest.json"
 KV_INIT = ("kv_init", None)  # the program that allocates the zeroed KV pool
-FORMAT = 6  # the programs' arguments (2: the last step's samples with their accepted drafts;
+FORMAT = 7  # the programs' arguments (2: the last step's samples with their accepted drafts;
 # 3: the LM head vocab-major, [V, D]; 4: the sampler returns the host's ids, the model step no
 # drafts, and a tied head on the native CPU path is packed; 5: the TPU kernel writes the KV
 # cache, and the step's sample rows come back replicated; 6: the `cpu` backend's weights as
-# loaded, no longer fused and packed for the deleted native matmul)
+# loaded, no longer fused and packed for the deleted native matmul; 7: the engine's resolved
+# plan in the fingerprint)
 # Engine arguments that change a program's shapes, sharding or code.
 SHAPE_ARGS = ("dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
               "token_buckets", "request_buckets", "attention_backend", "scan_layers",
@@ -58,16 +61,18 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def fingerprint(config: EngineConfig, model: LlamaConfig, *, platform: str, device_kind: str,
-                num_blocks: int, max_model_len: int, draft: LlamaConfig | None = None,
+def fingerprint(config: EngineConfig, model: LlamaConfig, plan: ResolvedPlan, *,
+                device_kind: str, draft: LlamaConfig | None = None,
                 versions: bool = True) -> dict[str, Any]:
     """Everything the programs depend on, JSON-normalised so a saved copy compares equal.
     `draft`: the draft model's config as placed (speculative draft_model). Models enter by
     their architecture, not their path or weights, which the programs take as inputs."""
     args = config.to_kwargs()
-    fp = {"format": FORMAT, "platform": platform, "device_kind": device_kind,
-          "model": dataclasses.asdict(model), "num_blocks": num_blocks,
-          "resolved_max_model_len": max_model_len,
+    # How the pool was sized is not a program's: a directory's pool is taken as given.
+    facts = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)
+             if f.name not in ("platform", "kv_block_bytes")} | {"dtype": plan.dtype.name}
+    fp = {"format": FORMAT, "platform": plan.platform, "device_kind": device_kind,
+          "model": dataclasses.asdict(model), "plan": facts,
           **{name: args[name] for name in SHAPE_ARGS}}
     spec = config.scheduler.speculative_config  # drafts shape the programs: k, who drafts
     fp["speculative_config"] = None if spec is None else spec.to_dict() | {"model": None}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,7 +85,7 @@ class StepArrays:
                           device_drafts=device_drafts)
 
 
-def pick_bucket(buckets: list[int], n: int, what: str) -> int:
+def pick_bucket(buckets: Sequence[int], n: int, what: str) -> int:
     i = bisect.bisect_left(buckets, n)
     if i == len(buckets):
         raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
@@ -122,8 +122,8 @@ class InputBatch:
             state.num_blocks += len(block_ids)
             state.num_computed_tokens = computed
 
-    def prepare(self, sched: SchedulerOutput, token_buckets: list[int],
-                request_buckets: list[int], running_rows: Mapping[str, tuple[int, int]],
+    def prepare(self, sched: SchedulerOutput, token_buckets: Sequence[int],
+                request_buckets: Sequence[int], running_rows: Mapping[str, tuple[int, int]],
                 num_speculative_tokens: int = 0) -> StepArrays:
         """`running_rows`: request -> (its first sample row, its drafts) in the step still
         running, for the requests whose next input that step samples (async scheduling: their

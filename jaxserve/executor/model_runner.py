@@ -42,11 +42,10 @@ from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_block
                                          padded_block_ids, scatter_blocks)
 from jaxserve.executor.packing import PackedLayout, pack
 from jaxserve.executor.program_order import planned_programs
-from jaxserve.executor.resolved import blocks_per_seq
+from jaxserve.executor.resolved import ResolvedPlan
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.executor.spec_verify import accepted_tokens
 from jaxserve.executor.targets import chip_of
-from jaxserve.executor.step_shapes import max_sample_rows, num_speculative_tokens, step_buckets
 from jaxserve.executor.prompt_logprobs import (PromptLogprobsPlan, finished_prompt_logprobs,
                                                plan_prompt_logprobs, record_prompt_logprobs)
 from jaxserve.layers.axes import AXIS
@@ -98,7 +97,7 @@ def step_bitmask(sched: SchedulerOutput, arrays: StepArrays, num_rows: int,
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Llama, k_cache: jax.Array, v_cache: jax.Array,
-                 backend: AttentionBackend, mesh: Mesh, max_model_len: int,
+                 backend: AttentionBackend, mesh: Mesh, plan: ResolvedPlan,
                  eos_token_ids: tuple[int, ...], draft: Llama | None = None,
                  draft_kv: DraftKV = None):
         """`draft`, `draft_kv`: the draft model (speculative `draft_model`) and its caches."""
@@ -109,13 +108,12 @@ class ModelRunner:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.draft_kv = draft_kv
         self.eos_token_ids = eos_token_ids
-        block_size = config.cache.block_size
-        self.max_model_len = max_model_len
-        self.max_blocks_per_seq = blocks_per_seq(max_model_len, block_size)
-        self.batch = InputBatch(block_size, self.max_blocks_per_seq)
+        self.plan = plan
+        self.max_blocks_per_seq = plan.blocks_per_seq
+        self.batch = InputBatch(plan.block_size, self.max_blocks_per_seq)
         self.block_buckets = block_buckets(self.max_blocks_per_seq)
-        self.token_buckets, self.request_buckets = step_buckets(config)
-        self.num_drafts = num_speculative_tokens(config)
+        self.token_buckets, self.request_buckets = plan.token_buckets, plan.request_buckets
+        self.num_drafts = plan.num_speculative_tokens
         # Module-level jits (_step, _sample): engines with the same model structure and step
         # shapes share compiled executables within a process.
         graphdef, self.params = split_model(model)
@@ -126,7 +124,7 @@ class ModelRunner:
             draft_graphdef)
         # The last launched step's samples, and per request whose next input one of them is:
         # its first sample row there and its drafts.
-        zeros = jax.device_put(np.zeros(max_sample_rows(config), np.int32),
+        zeros = jax.device_put(np.zeros(plan.max_sample_rows, np.int32),
                                NamedSharding(mesh, P()))
         self.prev = PrevSamples(zeros, zeros)
         self.running_rows: dict[str, tuple[int, int]] = {}
@@ -368,7 +366,7 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def warm_up_programs(self) -> list[tuple[StepArrays, SamplingMetadata]]:
-        return planned_programs(self.config, self.model.cfg, self.max_model_len)
+        return planned_programs(self.config, self.model.cfg, self.plan)
 
     def _loaded(self, arrays: StepArrays, sampling: SamplingMetadata) -> bool:
         return (step_key(arrays) in self.executables

@@ -11,21 +11,18 @@ from jaxserve.executor.compiled_dir import KV_INIT
 from jaxserve.executor.device_step import ProgramKey, step_key
 from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.packing import pack
-from jaxserve.executor.resolved import blocks_per_seq
-from jaxserve.executor.step_shapes import num_speculative_tokens, step_buckets, warm_up_programs
+from jaxserve.executor.resolved import ResolvedPlan
+from jaxserve.executor.step_shapes import warm_up_programs
 from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.models.llama_config import LlamaConfig
 
 
-def planned_programs(config: EngineConfig, cfg: LlamaConfig, max_model_len: int,
+def planned_programs(config: EngineConfig, cfg: LlamaConfig, plan: ResolvedPlan,
                      ) -> list[tuple[StepArrays, SamplingMetadata]]:
     """The steps warm-up runs for an engine with this model (`warm_up_programs`)."""
-    token_buckets, request_buckets = step_buckets(config)
-    return warm_up_programs(token_buckets, request_buckets,
-                            blocks_per_seq(max_model_len, config.cache.block_size),
-                            cfg.eos_token_ids,
-                            config.model.max_logprobs, cfg.vocab_size,
-                            num_speculative_tokens(config))
+    return warm_up_programs(plan.token_buckets, plan.request_buckets,
+                            plan.blocks_per_seq, cfg.eos_token_ids, config.model.max_logprobs,
+                            cfg.vocab_size, plan.num_speculative_tokens)
 
 
 def first_programs(programs: list[tuple[StepArrays, SamplingMetadata]]) -> list[ProgramKey]:

@@ -15,6 +15,7 @@ floor.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,7 @@ class Scenario:
 
 
 def bucket_scenarios(num_tokens: int, num_reqs: int, max_model_len: int,
-                     token_buckets: list[int]) -> list[Scenario]:
+                     token_buckets: Sequence[int]) -> list[Scenario]:
     """The batches a (T, R) bucket is judged on. A bucket with room for more tokens than
     requests is a mixed step: R - 1 decodes and one prefill chunk filling the rest, the chunk
     at position 0 and deep into a long prompt (at 6,144, or as deep as max_model_len lets

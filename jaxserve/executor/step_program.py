@@ -21,10 +21,9 @@ from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.device_step import (PrevSamples, StepStatics, _sample, _step,
                                            sample_rows_shape, split_model, step_inputs,
                                            step_statics)
-from jaxserve.executor.step_shapes import (bucket_pairs, max_sample_rows, num_speculative_tokens,
-                                           step_buckets, step_variants)
+from jaxserve.executor.step_shapes import step_variants
 from jaxserve.executor.packing import pack
-from jaxserve.executor.resolved import blocks_per_seq, min_kv_blocks
+from jaxserve.executor.resolved import ResolvedPlan
 from jaxserve.executor.targets import chip_of
 from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.layers.attention import AttentionBackend
@@ -101,14 +100,14 @@ def _kv(model: ModelParts, num_blocks: int, block_size: int,
 
 
 def step_program(target: ModelParts, config: EngineConfig, backend: AttentionBackend,
-                 num_blocks: int, max_model_len: int, draft: ModelParts | None = None,
-                 ) -> StepProgram:
+                 plan: ResolvedPlan, draft: ModelParts | None = None) -> StepProgram:
     """`target` (and `draft`, the draft model): weights, real or abstract, on the mesh the KV
-    caches will live on (its devices' kind picks the chip figures the step is planned by)."""
+    caches will live on (its devices' kind picks the chip figures the step is planned by); the
+    KV pool and the shapes: `plan`'s."""
     mesh = jax.tree.leaves(target.state)[0].sharding.mesh
     kv_sharding = kv_cache_sharding(mesh)
-    bs = config.cache.block_size
-    rows = jax.ShapeDtypeStruct((max_sample_rows(config),), jnp.int32,
+    num_blocks, bs = plan.num_kv_blocks, plan.block_size
+    rows = jax.ShapeDtypeStruct((plan.max_sample_rows,), jnp.int32,
                                 sharding=NamedSharding(mesh, P()))
     chip = chip_of(mesh.devices.flat[0].device_kind)
     itemsize = jax.tree.leaves(target.state)[0].dtype.itemsize
@@ -121,7 +120,7 @@ def step_program(target: ModelParts, config: EngineConfig, backend: AttentionBac
     elif plain.ngram is not None:
         draft_kv = (token_cache_shape(num_blocks, bs, mesh),)
     return StepProgram(plain, _abstract(target.state), _kv(target, num_blocks, bs, kv_sharding),
-                       PrevSamples(rows, rows), blocks_per_seq(max_model_len, bs), drafting,
+                       PrevSamples(rows, rows), plan.blocks_per_seq, drafting,
                        None if draft is None else _abstract(draft.state), draft_kv)
 
 
@@ -132,14 +131,13 @@ def token_cache_shape(num_blocks: int, block_size: int, mesh: Any) -> jax.ShapeD
 
 
 def largest_step_bytes(target: ModelParts, config: EngineConfig, backend: AttentionBackend,
-                       max_model_len: int, draft: ModelParts | None = None) -> int:
+                       plan: ResolvedPlan, draft: ModelParts | None = None) -> int:
     """What the engine's largest step needs per device beside the weights and the KV pool:
     its temporaries, inputs and outputs (the draft model's passes included), compiled over a
     minimal KV pool (they do not grow with the pool: the caches are updated in place)."""
-    min_blocks = min_kv_blocks(max_model_len, config.cache.block_size)
-    program = step_program(target, config, backend, min_blocks, max_model_len, draft)
-    T, R = max(bucket_pairs(*step_buckets(config)))
-    compiled = program.compile(T, R, *step_variants(T, R, num_speculative_tokens(config))[-1])
+    program = step_program(target, config, backend, plan.with_pool(plan.min_kv_blocks), draft)
+    T, R = max(plan.bucket_pairs)
+    compiled = program.compile(T, R, *step_variants(T, R, plan.num_speculative_tokens)[-1])
     mem = compiled.memory_analysis()
     held = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
                for x in jax.tree.leaves((program.state, program.kv, program.kv,

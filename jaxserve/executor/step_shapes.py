@@ -5,6 +5,7 @@ and the padding-only steps that warm-up runs through every one of them."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -38,7 +39,8 @@ def step_buckets(config: EngineConfig) -> tuple[list[int], list[int]]:
     return token_buckets, request_buckets
 
 
-def bucket_pairs(token_buckets: list[int], request_buckets: list[int]) -> list[tuple[int, int]]:
+def bucket_pairs(token_buckets: Sequence[int], request_buckets: Sequence[int],
+                 ) -> list[tuple[int, int]]:
     """Every (T, R) shape a step can take: a step never has more requests than tokens."""
     return [(T, R) for T in token_buckets for R in sorted({min(r, T) for r in request_buckets})]
 
@@ -76,14 +78,12 @@ def step_variants(T: int, R: int, num_drafts: int) -> list[tuple[int, bool]]:
     return [(R, False)] + ([(min(T, R * (1 + num_drafts)), True)] if drafting else [])
 
 
-def max_sample_rows(config: EngineConfig) -> int:
-    """The length of `prev_sampled`: the most rows any step samples."""
-    token_buckets, request_buckets = step_buckets(config)
-    k = num_speculative_tokens(config)
-    return max(min(T, R * (1 + k)) for T, R in bucket_pairs(token_buckets, request_buckets))
+def max_sample_rows(pairs: list[tuple[int, int]], num_drafts: int) -> int:
+    """The length of `prev_sampled`: the most rows any step of these (T, R) shapes samples."""
+    return max(min(T, R * (1 + num_drafts)) for T, R in pairs)
 
 
-def warm_up_programs(token_buckets: list[int], request_buckets: list[int],
+def warm_up_programs(token_buckets: Sequence[int], request_buckets: Sequence[int],
                      max_blocks_per_seq: int, eos_token_ids: tuple[int, ...],
                      max_logprobs: int, vocab_size: int = 0, num_drafts: int = 0,
                      ) -> list[tuple[StepArrays, SamplingMetadata]]:

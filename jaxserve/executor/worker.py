@@ -19,17 +19,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from jaxserve.executor import compiled_dir
+from jaxserve.executor import compiled_dir, device_memory
 from jaxserve.executor.compiled_dir import KV_INIT
-from jaxserve.executor.device_memory import plan
 from jaxserve.executor.draft_model import FIELD as DRAFT_FIELD, load_draft, place_draft
 from jaxserve.executor.host_memory import CPU_KV_MEMORY_FRACTION, available_host_bytes
 from jaxserve.executor.huge_pages import place_zeroed_on_huge_pages
 from jaxserve.executor.mesh import rank_meshes
 from jaxserve.executor.model_runner import ModelRunner, PendingStep
 from jaxserve.executor.program_order import first_programs, planned_programs
-from jaxserve.executor.resolved import (blocks_per_seq, check_pool_holds_a_sequence,
-                                        resolve_dtype, resolve_max_model_len)
+from jaxserve.executor.resolved import ResolvedPlan, resolve_plan
 from jaxserve.executor.sharding import (
     AXIS,
     kv_cache_sharding,
@@ -39,7 +37,7 @@ from jaxserve.executor.sharding import (
 )
 from jaxserve.executor.step_program import (ModelParts, kv_blocks_for, largest_step_bytes,
                                             token_cache_shape)
-from jaxserve.executor.step_shapes import ngram_lookup, num_speculative_tokens
+from jaxserve.executor.step_shapes import ngram_lookup
 from jaxserve.layers.attention import (
     AttentionBackend,
     get_attention_backend,
@@ -76,6 +74,12 @@ def restores_sharded(config: EngineConfig) -> bool:
     return tp <= cfg.num_kv_heads and cfg.vocab_size % tp == 0
 
 
+def converted_config(config: EngineConfig) -> LlamaConfig:
+    """An orbax checkpoint's model config, with the engine's hf_overrides."""
+    cfg = read_converted_config(config.model.model)
+    return cfg.with_hf_overrides(config.model.hf_overrides) if config.model.hf_overrides else cfg
+
+
 def check_float16(dtype: Any, backend: AttentionBackend, platform: str) -> None:
     """float16 where the backend computes in it: GPU, and XLA's attention on CPU."""
     if jnp.dtype(dtype) != jnp.float16:
@@ -92,8 +96,7 @@ def check_float16(dtype: Any, backend: AttentionBackend, platform: str) -> None:
 @dataclass(frozen=True)
 class BuiltWorker:
     """What a worker built, which the engine sizes its scheduler by."""
-    num_kv_blocks: int
-    max_model_len: int
+    plan: ResolvedPlan
     model_config: LlamaConfig  # as placed (KV heads expanded for TP)
     tokenizer: Tokenizer | None  # the checkpoint's
     generation_config: dict[str, Any]  # the checkpoint's (LoadedModel.generation_config)
@@ -108,14 +111,18 @@ class Worker:
         enable_compilation_cache(config.runner.compilation_cache_dir)
         m = config.model
         self.mesh = mesh or rank_meshes(config.parallel)[0]
-        self.dtype = resolve_dtype(config, jax.default_backend())
         restored = loaded is None and restores_sharded(config)
         device = self.mesh.devices.flat[0]
+        platform = device.platform
         host_placed = self.mesh.size == 1 and device.process_index == jax.process_index()
-        # restored: the params already on their devices
-        loading = self._restore_sharded(m.model) if restored else loaded or start_loading(m)
+        loading = None if restored else loaded or start_loading(m)
+        checkpoint = converted_config(config) if restored else loading.config
+        # The pool is sized once the weights are placed (`_sized_plan`).
+        self.plan = resolve_plan(config, checkpoint, platform, self.mesh)
+        if restored:  # the params already on their devices
+            loading = self._restore_sharded(m.model, checkpoint)
         programs = (None if config.runner.compiled_dir is None  # loading beside the weights
-                    else self._read_compiled(config.runner.compiled_dir, loading.config))
+                    else self._read_compiled(config.runner.compiled_dir, checkpoint))
         self.loaded = loading.result() if isinstance(loading, LoadingModel) else loading
         if restored or host_placed:
             # Host arrays: the model slices and places them on this process's one device
@@ -123,20 +130,18 @@ class Worker:
             cfg, placed = self.loaded.config, self.loaded.params
         else:
             cfg, placed = shard_params(self.loaded.config, self.loaded.params, self.mesh,
-                                       self.dtype)
+                                       self.plan.dtype)
         self.model_config = cfg
-        self.max_model_len = resolve_max_model_len(config, cfg)
-        platform = self.mesh.devices.flat[0].platform
         backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh,
-                                        decode_rows=1 + num_speculative_tokens(config))
-        check_float16(self.dtype, backend, platform)
+                                        decode_rows=1 + self.plan.num_speculative_tokens)
+        check_float16(self.plan.dtype, backend, platform)
         # As before the native matmul went (issue 48): the `cpu` backend on one device reads
         # its rotary angles from a table; the other paths compute them.
         rotary_lookup = backend.name == "cpu" and self.mesh.size == 1
         with jax.default_device(device) if host_placed else contextlib.nullcontext():
             self.model = family_of(cfg).model(
-                cfg, placed, self.dtype, scan_layers=config.runner.scans_layers(platform),
-                rotary_lookup=rotary_lookup, max_positions=self.max_model_len)
+                cfg, placed, self.plan.dtype, scan_layers=config.runner.scans_layers(platform),
+                rotary_lookup=rotary_lookup, max_positions=self.plan.max_model_len)
         if host_placed:  # the mesh's sharding, as the sharded path's (no copy: one device)
             nnx.update(self.model, jax.device_put(nnx.state(self.model),
                                                   NamedSharding(self.mesh, PartitionSpec())))
@@ -145,7 +150,7 @@ class Worker:
         self.loaded = dataclasses.replace(self.loaded, params={})
         draft = draft or load_draft(config)
         self.draft = None if draft is None else place_draft(
-            draft, cfg, self.max_model_len, self.mesh, self.dtype,
+            draft, cfg, self.plan.max_model_len, self.mesh, self.plan.dtype,
             config.runner.scans_layers(platform), rotary_lookup)
         self._validate_backend(backend, platform, cfg)
         if self.draft is not None:
@@ -153,25 +158,25 @@ class Worker:
                 self._validate_backend(backend, platform, self.draft.cfg)
             except ValueError as e:
                 raise ValueError(f"{DRAFT_FIELD}: {e}") from None
-        self.num_blocks = self._num_kv_blocks(backend)
+        self.plan = self._sized_plan(backend)
         self.kv_sharding = kv_cache_sharding(self.mesh)
         executables = self._check_compiled(programs)
         k_cache, v_cache, *draft_kv = (executables.pop(KV_INIT, None) or self.kv_init)()
         place_zeroed_on_huge_pages((k_cache, v_cache, *draft_kv))  # CPU caches (huge_pages.py)
         self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend, self.mesh,
-                                  self.max_model_len, cfg.eos_token_ids, self.draft,
+                                  self.plan, cfg.eos_token_ids, self.draft,
                                   tuple(draft_kv) or None)
         self.runner.executables = executables
 
     def _validate_backend(self, backend: AttentionBackend, platform: str,
                           cfg: LlamaConfig) -> None:
-        tp, c = self.mesh.shape[AXIS], self.config
+        tp, c, p = self.mesh.shape[AXIS], self.config, self.plan
         validate_backend(backend, platform=platform, num_q_heads=cfg.num_heads // tp,
                          num_kv_heads=cfg.num_kv_heads // tp, head_dim=cfg.head_dim,
-                         block_size=c.cache.block_size, max_num_seqs=c.scheduler.max_num_seqs,
-                         pages_per_seq=blocks_per_seq(self.max_model_len, c.cache.block_size),
+                         block_size=p.block_size, max_num_seqs=c.scheduler.max_num_seqs,
+                         pages_per_seq=p.blocks_per_seq,
                          max_num_tokens=c.scheduler.max_num_batched_tokens,
-                         dtype=jnp.dtype(self.dtype).name)
+                         dtype=p.dtype.name)
 
     @property
     def model_configs(self) -> list[LlamaConfig]:
@@ -181,20 +186,20 @@ class Worker:
 
     @property
     def built(self) -> BuiltWorker:
-        return BuiltWorker(self.num_blocks, self.max_model_len, self.model_config,
+        return BuiltWorker(self.plan, self.model_config,
                            self.loaded.tokenizer, self.loaded.generation_config)
 
     @property
     def kv_init(self) -> Any:
         """The jitted program that allocates the zeroed KV pool on the mesh: (k, v) of the
         target, then of the draft model, or n-gram speculation's token cache."""
-        cfgs, bs = self.model_configs, self.config.cache.block_size
-        tokens = ([token_cache_shape(self.num_blocks, bs, self.mesh)]
+        cfgs, bs, num_blocks = self.model_configs, self.plan.block_size, self.plan.num_kv_blocks
+        tokens = ([token_cache_shape(num_blocks, bs, self.mesh)]
                   if ngram_lookup(self.config) is not None else [])
 
         def init() -> tuple[jax.Array, ...]:
             return tuple(cache for cfg in cfgs
-                         for cache in init_kv_cache(cfg, self.num_blocks, bs, self.dtype)
+                         for cache in init_kv_cache(cfg, num_blocks, bs, self.plan.dtype)
                          ) + tuple(jnp.zeros(t.shape, t.dtype) for t in tokens)
 
         return jax.jit(init, out_shardings=(self.kv_sharding,) * (2 * len(cfgs))
@@ -202,11 +207,9 @@ class Worker:
 
     def fingerprint(self) -> dict[str, Any]:
         """What programs compiled for this worker depend on (see compiled_dir)."""
-        device = self.mesh.devices.flat[0]
         return compiled_dir.fingerprint(
-            self.config, self.model_config, platform=device.platform,
-            device_kind=device.device_kind, num_blocks=self.num_blocks,
-            max_model_len=self.max_model_len,
+            self.config, self.model_config, self.plan,
+            device_kind=self.mesh.devices.flat[0].device_kind,
             draft=None if self.draft is None else self.draft.cfg)
 
     def _read_compiled(self, directory: str, cfg: LlamaConfig,
@@ -222,7 +225,7 @@ class Worker:
             logger.warning("%s; compiling instead", e)
             return None
         programs.load_in_background(first_programs(
-            planned_programs(self.config, cfg, resolve_max_model_len(self.config, cfg))))
+            planned_programs(self.config, cfg, self.plan)))
         return programs
 
     def _check_compiled(self, programs: compiled_dir.LoadedPrograms | None,
@@ -240,43 +243,46 @@ class Worker:
             return {}
         return programs
 
-    def _restore_sharded(self, path: str) -> LoadedModel:
-        """orbax reads each device's shard straight onto it: no full copy on any device."""
-        cfg = read_converted_config(path)
-        if self.config.model.hf_overrides:
-            cfg = cfg.with_hf_overrides(self.config.model.hf_overrides)
+    def _restore_sharded(self, path: str, cfg: LlamaConfig) -> LoadedModel:
+        """orbax reads each device's shard straight onto it: no full copy on any device.
+        `cfg`: the checkpoint's (`converted_config`)."""
         validate_tensor_parallel(cfg, self.mesh.shape[AXIS])
-        target = {name: jax.ShapeDtypeStruct(shape, self.dtype,
+        target = {name: jax.ShapeDtypeStruct(shape, self.plan.dtype,
                                              sharding=param_sharding(self.mesh, name, shape))
                   for name, shape in param_shapes(cfg).items()}
         return with_hf_overrides(load_converted(path, target), self.config.model.hf_overrides)
 
-    def _num_kv_blocks(self, backend: AttentionBackend) -> int:
-        """On TPU/GPU: the memory share left after the weights (in use now) and the largest
-        step's temporaries, as the compiler reports them. On CPU: cpu_kv_cache_space_gib, or
-        CPU_KV_MEMORY_FRACTION of the host memory available now (the weights are placed),
-        rounded down to a power of two of blocks, at most what max_num_seqs sequences of
-        max_model_len hold. A block's bytes are both caches' with a draft model."""
+    def _sized_plan(self, backend: AttentionBackend) -> ResolvedPlan:
+        """The plan with its KV pool sized. On TPU/GPU: the memory share left after the
+        weights (in use now) and the largest step's temporaries, as the compiler reports them.
+        On CPU: cpu_kv_cache_space_gib, or CPU_KV_MEMORY_FRACTION of the host memory available
+        now (the weights are placed), rounded down to a power of two of blocks, at most what
+        max_num_seqs sequences of max_model_len hold. A block's bytes are both caches' with a
+        draft model."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
+            return self.plan  # resolved with the configured pool
         saved = self.config.runner.compiled_dir
         if saved is not None and (Path(saved) / compiled_dir.MANIFEST).is_file():
             try:  # the pool the programs were built for (sized for that target's memory)
-                return int(compiled_dir.read_manifest(saved)["fingerprint"]["num_blocks"])
+                saved_blocks = int(compiled_dir.read_manifest(saved)["fingerprint"]["plan"][
+                    "num_kv_blocks"])
             except (compiled_dir.CompiledDirError, KeyError, TypeError, ValueError):
                 pass  # refused with its reason when the programs are loaded
+            else:
+                return self.plan.with_pool(saved_blocks)
         tp = self.mesh.shape[AXIS]
-        per_block = sum(kv_cache_bytes_per_block(cfg, cache.block_size, self.dtype)
+        per_block = sum(kv_cache_bytes_per_block(cfg, self.plan.block_size, self.plan.dtype)
                         for cfg in self.model_configs) // tp  # per device: its KV heads
         device = self.mesh.devices.flat[0]
         stats = device.memory_stats() or {}
         if "bytes_limit" in stats:  # one extra compile at start, like vLLM's profile run
             step = largest_step_bytes(
-                ModelParts.of(self.model), self.config, backend, self.max_model_len,
+                ModelParts.of(self.model), self.config, backend, self.plan,
                 None if self.draft is None else ModelParts.of(self.draft))
             num_blocks = kv_blocks_for(
-                plan(device.platform, stats["bytes_limit"], cache.gpu_memory_utilization),
+                device_memory.plan(device.platform, stats["bytes_limit"],
+                                   cache.gpu_memory_utilization),
                 stats.get("bytes_in_use", 0), step, per_block)
         elif cache.cpu_kv_cache_space_gib is not None:
             num_blocks = int(cache.cpu_kv_cache_space_gib * 2**30 // per_block)
@@ -285,11 +291,9 @@ class Worker:
             # A power of two: the step programs take the pool's shape, and one that moved with
             # the free memory would miss the persistent compilation cache at every start.
             share = 1 << (share.bit_length() - 1) if share else 0
-            per_seq = blocks_per_seq(self.max_model_len, cache.block_size)
-            num_blocks = min(share, self.config.scheduler.max_num_seqs * per_seq + 1)
-        check_pool_holds_a_sequence(num_blocks, self.max_model_len, cache.block_size,
-                                    block_bytes=per_block)
-        return num_blocks
+            num_blocks = min(share, self.config.scheduler.max_num_seqs
+                             * self.plan.blocks_per_seq + 1)
+        return self.plan.with_pool(num_blocks, per_block)
 
     def dispatch(self, sched: SchedulerOutput) -> PendingStep | None:
         return self.runner.dispatch(sched)
