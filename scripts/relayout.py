@@ -208,9 +208,54 @@ def rewrite_package_imports(text: str, modules: dict[str, str],
     return pattern.sub(replace, text)
 
 
+def realign_imports(text: str, modules: dict[str, str]) -> str:
+    """`from old.module import (a,\n<aligned> b)`: the continuation lines follow the paren
+    when the module's name changes length."""
+    pattern = re.compile(r"^([ \t]*from )(" + alternation(list(modules)) +
+                         r")( import \()([^)]*\))", re.M)
+
+    def replace(match: re.Match[str]) -> str:
+        start, module, middle, body = match.groups()
+        old_col = len(start + module + middle)
+        shift = len(modules[module]) - len(module)
+        lines = body.split("\n")
+        lines[1:] = [" " * (old_col + shift) + line.lstrip()
+                     if len(line) - len(line.lstrip()) == old_col else line
+                     for line in lines[1:]]
+        return start + module + middle + "\n".join(lines)
+
+    return pattern.sub(replace, text)
+
+
+def sort_project_imports(text: str) -> str:
+    """Each run of jaxserve imports at one indentation, in module order again."""
+    lines = text.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        run: list[tuple[str, list[str]]] = []
+        indent = re.match(r"[ \t]*", lines[i]).group(0)
+        while i < len(lines) and re.match(indent + r"(from|import) jaxserve[\w.]* ", lines[i]):
+            statement = [lines[i]]
+            depth = lines[i].count("(") - lines[i].count(")")
+            i += 1
+            while depth > 0 and i < len(lines):
+                statement.append(lines[i])
+                depth += lines[i].count("(") - lines[i].count(")")
+                i += 1
+            run.append((statement[0].split()[1], statement))
+        if run:
+            out += [line for _, statement in sorted(run, key=lambda s: s[0])
+                    for line in statement]
+        else:
+            out.append(lines[i])
+            i += 1
+    return "\n".join(out)
+
+
 def rewrite(text: str, modules: dict[str, str], paths: dict[str, str],
             exports: dict[str, set[str]]) -> str:
-    text = rewrite_package_imports(text, modules, exports)
+    text = realign_imports(rewrite_package_imports(text, modules, exports), modules)
     text = re.sub(r"(?<![\w/.-])(" + alternation(list(paths)) + r")(?![\w])",
                   lambda m: paths[m.group(1)], text)
     text = re.sub(r"(?<![\w/.-])pallas_kernels/", "jaxserve/kernels/", text)
@@ -353,6 +398,8 @@ def main() -> None:
             continue
         text = path.read_text()
         new = rewrite(text, modules, paths, exports)
+        if path.suffix == ".py" and new != text:
+            new = sort_project_imports(new)
         if new != text:
             path.write_text(new)
             changed.append(name)
@@ -375,7 +422,7 @@ def main() -> None:
     for name in changed:
         print(f"  {name}")
     stale = subprocess.run(["git", "grep", "-n", "-E", r"jaxserve[./]executor|pallas_kernels",
-                            "--", ".", ":!results/compile_check"],
+                            "--", ".", ":!results/compile_check", ":!scripts/relayout.py"],
                            cwd=ROOT, capture_output=True, text=True).stdout
     if stale:
         print("references left to the old folders (check these by hand):\n" + stale)
