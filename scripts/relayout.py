@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
+import textwrap
 import sys
 from pathlib import Path
 
@@ -208,6 +209,20 @@ def rewrite_package_imports(text: str, modules: dict[str, str],
     return pattern.sub(replace, text)
 
 
+def expand_braces(match: re.Match[str], paths: dict[str, str]) -> str:
+    """`jaxserve/executor/{worker,mesh}.py`: each file to its new folder, one brace group per
+    folder (inside backticks, one span per folder)."""
+    folder, names = match.groups()
+    groups: dict[str, list[str]] = {}
+    for name in names.split(","):
+        new = paths.get(f"{folder}/{name}.py", f"{folder}/{name}.py")
+        groups.setdefault(str(Path(new).parent), []).append(Path(new).stem)
+    quoted = match.string[match.start() - 1:match.start()] == "`"
+    return ("`, `" if quoted else ", ").join(
+        f"{d}/{{{','.join(s)}}}.py" if len(s) > 1 else f"{d}/{s[0]}.py"
+        for d, s in groups.items())
+
+
 def realign_imports(text: str, modules: dict[str, str]) -> str:
     """`from old.module import (a,\n<aligned> b)`: the continuation lines follow the paren
     when the module's name changes length."""
@@ -243,6 +258,10 @@ def sort_project_imports(text: str) -> str:
                 statement.append(lines[i])
                 depth += lines[i].count("(") - lines[i].count(")")
                 i += 1
+            if len(statement) == 1 and len(statement[0]) > 99 and " import " in statement[0]:
+                head, _, names = statement[0].partition(" import ")
+                statement = [f"{head} import ("] + [
+                    f"{indent}    {n.strip()}," for n in names.split(",")] + [f"{indent})"]
             run.append((statement[0].split()[1], statement))
         if run:
             out += [line for _, statement in sorted(run, key=lambda s: s[0])
@@ -258,6 +277,8 @@ def rewrite(text: str, modules: dict[str, str], paths: dict[str, str],
     text = realign_imports(rewrite_package_imports(text, modules, exports), modules)
     text = re.sub(r"(?<![\w/.-])(" + alternation(list(paths)) + r")(?![\w])",
                   lambda m: paths[m.group(1)], text)
+    text = re.sub(r"(?<![\w/.-])((?:jaxserve/)?[\w/]+)/\{([\w,]+)\}\.py",
+                  lambda m: expand_braces(m, paths), text)
     text = re.sub(r"(?<![\w/.-])pallas_kernels/", "jaxserve/kernels/", text)
     return re.sub(r"(?<![\w.])(" + alternation(list(modules)) + r")(?![\w/])",
                   lambda m: modules[m.group(1)], text)
@@ -283,7 +304,7 @@ NEW_UNITS = {  # the executor's units, in order, each with the units directly be
     "jaxserve.placement": ("jaxserve.models",),
 }
 NEW_UNIT_COMMENTS = {
-    "jaxserve.compilation": "AOT builds a worker; the check lowers the step",
+    "jaxserve.compilation": "AOT builds through a worker",
 }
 
 
@@ -370,7 +391,7 @@ def update_pyproject(path: Path, moves: dict[str, str]) -> None:
     folders = sorted({str(Path(n).parent) for o, n in moves.items()
                       if Path(o).suffix in (".cc", ".h")})
     data = "\n".join(f'"{f.replace("/", ".")}" = ["*.cc", "*.h"]' for f in folders)
-    text, found = re.subn(r"^pallas_kernels = \[[^\]]*\][^\n]*", data, text, flags=re.M)
+    text, found = re.subn(r"^pallas_kernels = \[[^\]]*\]", data, text, flags=re.M)
     if not found:
         print(f"  WARNING: {path.name}: no pallas_kernels package-data line; check it by hand")
     path.write_text(text)
@@ -414,13 +435,17 @@ def main() -> None:
     for folder, doc in PACKAGE_DOCS.items():
         init = ROOT / folder / "__init__.py"
         if (ROOT / folder).is_dir() and not init.exists():
-            init.write_text(f'"""{doc}"""\n')
+            init.write_text('"""' + textwrap.fill(doc + '"""', 96) + "\n")
             print(f"  created {folder}/__init__.py")
     subprocess.run(["git", "add", "-A", "."], cwd=ROOT, check=True)
 
     print(f"moved {len(moves)} files; rewrote references in {len(changed)} files:")
     for name in changed:
         print(f"  {name}")
+        long = [n for n, line in enumerate((ROOT / name).read_text().splitlines(), 1)
+                if len(line) > 100 and name.endswith(".py")]
+        if long:
+            print(f"    lines over 100 characters now: {long}")
     stale = subprocess.run(["git", "grep", "-n", "-E", r"jaxserve[./]executor|pallas_kernels",
                             "--", ".", ":!results/compile_check", ":!scripts/relayout.py"],
                            cwd=ROOT, capture_output=True, text=True).stdout
