@@ -411,6 +411,7 @@ def main() -> None:
     update_import_graph_test(ROOT / "tests/test_import_graph.py")
     update_pyproject(ROOT / "pyproject.toml", moves)
     changed = []
+    long_lines: dict[str, list[int]] = {}
     for name in tracked("."):
         path = ROOT / name
         if (path.suffix not in TEXT_SUFFIXES and not name.startswith(".ci/")) or \
@@ -424,6 +425,9 @@ def main() -> None:
         if new != text:
             path.write_text(new)
             changed.append(name)
+            if path.suffix == ".py":
+                long_lines[name] = [n for n, line in enumerate(new.splitlines(), 1)
+                                    if len(line) > 100]
 
     for old, new in moves.items():
         (ROOT / new).parent.mkdir(parents=True, exist_ok=True)
@@ -442,10 +446,8 @@ def main() -> None:
     print(f"moved {len(moves)} files; rewrote references in {len(changed)} files:")
     for name in changed:
         print(f"  {name}")
-        long = [n for n, line in enumerate((ROOT / name).read_text().splitlines(), 1)
-                if len(line) > 100 and name.endswith(".py")]
-        if long:
-            print(f"    lines over 100 characters now: {long}")
+        if long_lines.get(name):
+            print(f"    lines over 100 characters now: {long_lines[name]}")
     stale = subprocess.run(["git", "grep", "-n", "-E", r"jaxserve[./]executor|pallas_kernels",
                             "--", ".", ":!results/compile_check", ":!scripts/relayout.py"],
                            cwd=ROOT, capture_output=True, text=True).stdout
