@@ -17,8 +17,8 @@ from jaxserve.engine.input_processor import truncated
 from jaxserve.entrypoints.openai.errors import APIError, bad_request
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import (APIRequest, ChatCompletionRequest,
-                                                  SamplingRequest, TokenizeChatRequest,
-                                                  UsageInfo)
+                                                  ChoicesResponse, SamplingRequest,
+                                                  TokenizeChatRequest, UsageInfo)
 from jaxserve.entrypoints.openai.structured import structured_outputs_of
 from jaxserve.models.chat_template import template_variables, text_content
 from jaxserve.outputs import RequestOutput
@@ -196,7 +196,7 @@ class OpenAIServing:
 
     async def stream(self, request_id: str, model: str,
                      gens: list[AsyncIterator[RequestOutput]], n: int, req: SamplingRequest,
-                     chunk: Callable[..., BaseModel], choices_of: ChoicesOf,
+                     chunk: type[ChoicesResponse], choices_of: ChoicesOf,
                      head: list[BaseModel] | None = None) -> AsyncIterator[str]:
         """A streamed response's events: `head` (choices sent before any output), a `chunk`
         of `choices_of` each output, the usage chunk when stream_options asks for it, and
