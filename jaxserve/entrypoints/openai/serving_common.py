@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -35,7 +35,7 @@ SAMPLING_FIELDS = _OPTIONAL_SAMPLING + _PASSED_SAMPLING + ("max_tokens", "logpro
 _PROMPT_FIELDS = ("prompt", "prompt_token_ids", "request_id", "cache_salt")
 DONE = "data: [DONE]\n\n"
 # (prompt index, output) -> the choices of the chunk it streams; none: no chunk.
-ChoicesOf = Callable[[int, RequestOutput], list[BaseModel]]
+ChoicesOf = Callable[[int, RequestOutput], Sequence[BaseModel]]
 
 
 def sse(body: BaseModel) -> str:
@@ -197,7 +197,7 @@ class OpenAIServing:
     async def stream(self, request_id: str, model: str,
                      gens: list[AsyncIterator[RequestOutput]], n: int, req: SamplingRequest,
                      chunk: type[ChoicesResponse], choices_of: ChoicesOf,
-                     head: list[BaseModel] | None = None) -> AsyncIterator[str]:
+                     head: Sequence[BaseModel] = ()) -> AsyncIterator[str]:
         """A streamed response's events: `head` (choices sent before any output), a `chunk`
         of `choices_of` each output, the usage chunk when stream_options asks for it, and
         [DONE]; a failure after the 200 went out is the event before [DONE]."""
