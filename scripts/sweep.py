@@ -105,11 +105,9 @@ def read_done(csv_path: Path, columns: list[str]) -> set[tuple[str, ...]]:
     """Keys of the points in the CSV; a torn last row (killed mid-write) is cut off."""
     if not csv_path.exists() or csv_path.stat().st_size == 0:
         return set()
-    data = csv_path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        with open(csv_path, "r+b") as f:
-            f.truncate(end)
+    from jaxserve.entrypoints.batch_runner import cut_torn_line
+
+    cut_torn_line(csv_path)
     with open(csv_path, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)

@@ -36,6 +36,7 @@ from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rotary, inverse_frequencies, rotary_angles
 from jaxserve.models.llama import LAYER_PARAMS
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
+from jaxserve.models.tokenizer_builders import trained_byte_level_bpe
 
 BOS, EOS = "<s>", "</s>"
 BOS_ID, EOS_ID = 0, 1
@@ -110,21 +111,6 @@ def collect_documents(root: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
             seen.add(doc)
             (heldout if is_heldout(relpath) else train).append(doc)
     return tuple(train), tuple(heldout)
-
-
-def train_tokenizer(docs: list[str], vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(docs, trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)])
-    return tok
 
 
 def token_stream(tok: Any, docs: list[str] | tuple[str, ...]) -> np.ndarray:
@@ -459,7 +445,7 @@ def main(argv: list[str] | None = None) -> TrainResult:
     if args.max_docs:
         train_docs, heldout_docs = train_docs[:args.max_docs], heldout_docs[:args.max_docs // 10]
     print(f"{len(train_docs)} training and {len(heldout_docs)} held-out documents", flush=True)
-    tok = train_tokenizer(train_docs, args.vocab_size)
+    tok = trained_byte_level_bpe(train_docs, args.vocab_size, BOS, EOS)
     cfg = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.dim,
                       intermediate_size=args.ffn, num_layers=args.layers, num_heads=args.heads,
                       num_kv_heads=args.kv_heads, head_dim=args.dim // args.heads,

@@ -75,18 +75,11 @@ def _perturb(model: Any) -> None:
 def build_tokenizer(out_dir: Path, vocab_size: int = 320) -> None:
     """A byte-level BPE (`tokenizer.json`) with BOS/EOS specials, a BOS-adding post-processor
     and a chat template, saved through transformers the way real checkpoints are."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(TRAINING_TEXT, trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)])
+    from jaxserve.models.tokenizer_builders import trained_byte_level_bpe
+
+    tok = trained_byte_level_bpe(TRAINING_TEXT, vocab_size, BOS, EOS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
                                    chat_template=CHAT_TEMPLATE)
     fast.save_pretrained(str(out_dir))

@@ -34,11 +34,9 @@ logger = logging.getLogger(__name__)
 
 
 # ---- the output file ----------------------------------------------------------------------
-def recover_output(path: Path) -> set[str]:
-    """The ids already written to `path`. A torn last line (no newline: the process died in
-    the middle of the write) is cut off, so its row runs again."""
-    if not path.exists():
-        return set()
+def cut_torn_line(path: Path) -> bytes:
+    """The whole lines of `path`, a torn last line (no newline: the process died in the middle
+    of the write) cut off the file."""
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
     if end < len(data):
@@ -46,8 +44,15 @@ def recover_output(path: Path) -> set[str]:
             f.truncate(end)
             f.flush()
             os.fsync(f.fileno())
+    return data[:end]
+
+
+def recover_output(path: Path) -> set[str]:
+    """The ids already written to `path`; a torn last line is cut off, so its row runs again."""
+    if not path.exists():
+        return set()
     done: set[str] = set()
-    for lineno, line in enumerate(data[:end].splitlines(), 1):
+    for lineno, line in enumerate(cut_torn_line(path).splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -1,18 +1,19 @@
-"""HF `tokenizers` objects built in memory from a vocabulary as GGUF and llama2.c store it.
+"""HF `tokenizers` objects built in memory from a vocabulary as GGUF and llama2.c store it, or
+trained on text.
 
-Two kinds: SentencePiece-style BPE (GGUF "llama", llama2.c `tok*.bin`: pieces with scores, merged
-by score with byte fallback, as HF's Llama tokenizers do) and byte-level BPE (GGUF "gpt2":
-tokens and ranked merges, split first by the regex its `tokenizer.ggml.pre` names, as
-llama.cpp does).
+Two kinds from a vocabulary: SentencePiece-style BPE (GGUF "llama", llama2.c `tok*.bin`: pieces
+with scores, merged by score with byte fallback, as HF's Llama tokenizers do) and byte-level BPE
+(GGUF "gpt2": tokens and ranked merges, split first by the regex its `tokenizer.ggml.pre` names,
+as llama.cpp does). Trained: a byte-level BPE with BOS and EOS (the default model's, tests').
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
-                        pre_tokenizers)
+                        pre_tokenizers, processors, trainers)
 
 # SentencePiece / GGUF token types.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -100,6 +101,22 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], types: Sequence
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     _add_special_tokens(tok, tokens, types)
+    return tok
+
+
+def trained_byte_level_bpe(texts: Iterable[str], vocab_size: int, bos: str, eos: str,
+                           ) -> Tokenizer:
+    """A byte-level BPE trained on `texts`, `bos` and `eos` its first ids (0 and 1), that puts
+    `bos` in front of what it encodes."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[bos, eos],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)])
     return tok
 
 

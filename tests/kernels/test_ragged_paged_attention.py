@@ -109,6 +109,18 @@ MIXED: Batch = (((1, 100, False), (12, 40, True), (3, 3, False), (1, 1, False), 
 VERIFY: Batch = (((5, 40, False), (1, 9, False), (3, 17, False), (5, 100, True), (2, 2, False)), 5)
 
 
+def on_ragged_batches(*examples: Batch) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The test on `examples`, then on a few batches hypothesis draws (few: shapes are fixed, so
+    more draws only vary the data)."""
+    def decorate(test: Callable[..., None]) -> Callable[..., None]:
+        test = given(batch=ragged_batches())(test)
+        for batch in reversed(examples):  # as a stack of @example, top one first
+            test = example(batch=batch)(test)
+        return settings(max_examples=4, deadline=None,
+                        suppress_health_check=[HealthCheck.too_slow])(test)
+    return decorate
+
+
 @dataclasses.dataclass
 class Inputs:
     args: tuple[jax.Array, ...]  # the kernel's positional arguments
@@ -161,21 +173,13 @@ def max_error(out: jax.Array, ref: jax.Array, n: int, dtype: str) -> float:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("kernel", list(KERNELS))
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@example(batch=DECODE_ONLY)
-@example(batch=PREFILL_ONLY)
-@example(batch=MIXED)
-@given(batch=ragged_batches())
+@on_ragged_batches(DECODE_ONLY, PREFILL_ONLY, MIXED)
 def test_kernel_matches_reference_on_ragged_batches(kernel: str, name: str, batch: Batch) -> None:
     check_against_reference(kernel, name, CONFIGS[name], batch)
 
 
 @pytest.mark.parametrize("name", list(CPU_CONFIGS))
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@example(batch=DECODE_ONLY)
-@example(batch=MIXED)
-@example(batch=VERIFY)
-@given(batch=ragged_batches())
+@on_ragged_batches(DECODE_ONLY, MIXED, VERIFY)
 def test_cpu_kernel_matches_reference_at_other_head_dims(name: str, batch: Batch) -> None:
     check_against_reference("cpu", name, CPU_CONFIGS[name], batch)
 
@@ -191,11 +195,7 @@ def check_against_reference(kernel: str, name: str, cfg: Config, batch: Batch) -
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@example(batch=DECODE_ONLY)
-@example(batch=MIXED)
-@example(batch=VERIFY)
-@given(batch=ragged_batches())
+@on_ragged_batches(DECODE_ONLY, MIXED, VERIFY)
 def test_fused_write_stores_what_the_scatter_does_and_attends_after_it(name: str,
                                                                        batch: Batch) -> None:
     """write_and_attend = the xla backend's write_kv, then its attention. Requests own the

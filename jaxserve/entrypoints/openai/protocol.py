@@ -8,7 +8,7 @@ that ask for nothing, and any other value is refused (a 400 naming the field), n
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -227,6 +227,19 @@ def _now() -> int:
     return int(time.time())
 
 
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
+
+
+class ChoicesResponse(BaseModel, Generic[ChoiceT]):
+    """What a completion, a chat completion and a chat chunk share; each names its `object`."""
+    id: str
+    object: str
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChoiceT]
+    usage: UsageInfo | None = None
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -252,13 +265,8 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None  # with return_token_ids (delta when streamed)
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(ChoicesResponse[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 class TopLogprob(BaseModel):
@@ -308,13 +316,8 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None  # with return_token_ids (delta when streamed)
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ChoicesResponse[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -336,13 +339,8 @@ class ChatStreamChoice(BaseModel):
     token_ids: list[int] | None = None  # with return_token_ids (delta when streamed)
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ChoicesResponse[ChatStreamChoice]):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class TokenizeResponse(BaseModel):

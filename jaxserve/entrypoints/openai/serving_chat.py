@@ -14,8 +14,7 @@ from jaxserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChun
                                                   ChatLogprobs, ChatMessageOut,
                                                   ChatStreamChoice, DeltaMessage, TokenLogprob,
                                                   TopLogprob)
-from jaxserve.entrypoints.openai.serving_common import (DONE, OpenAIServing, SSEResponse, merge,
-                                                        sse, stream_error, usage)
+from jaxserve.entrypoints.openai.serving_common import OpenAIServing, SSEResponse, merge, usage
 from jaxserve.entrypoints.openai.structured import tool_mode
 from jaxserve.entrypoints.openai.tool_calls import parse_tool_calls, tool_call_deltas
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -57,52 +56,39 @@ class OpenAIServingChat(OpenAIServing):
                 entry(t, v) for t, v in top_logprobs(e, num_top)]))
         return ChatLogprobs(content=content)
 
-    async def _stream(self, request_id: str, model: str, gen: AsyncIterator[RequestOutput],
-                      n: int, req: ChatCompletionRequest) -> AsyncIterator[str]:
-        tracker = self.metrics.tracker(n)
-        prompt_tokens = completion_tokens = 0
+    def _stream(self, request_id: str, model: str, gen: AsyncIterator[RequestOutput], n: int,
+                req: ChatCompletionRequest) -> AsyncIterator[str]:
         # With tools, a choice's text is held back until it ends: only then is it known to be
         # content or tool calls (each sent whole in one delta).
         mode = tool_mode(req)
         held = [""] * n
-        try:
-            yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
-                ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                for i in range(n)]))
-            async for _, out in merge([gen]):
-                tracker.observe(out)
-                prompt_tokens = len(out.prompt_token_ids)
-                choices = []
-                for comp in out.outputs:
-                    completion_tokens += len(comp.token_ids)
-                    logprobs = (self._logprobs(comp, req.top_logprobs or 0)
-                                if req.logprobs and comp.logprobs else None)
-                    delta, finish = DeltaMessage(content=comp.text or None), comp.finish_reason
-                    if mode != "none":
-                        held[comp.index] += comp.text
-                        delta = DeltaMessage()
-                        if finish is not None:
-                            content, calls = parse_tool_calls(held[comp.index], mode, req)
-                            delta = DeltaMessage(content=content,
-                                                 tool_calls=tool_call_deltas(calls) or None)
-                            finish = "tool_calls" if calls and finish == "stop" else finish
-                    if delta.content or delta.tool_calls or logprobs or finish or (
-                            req.return_token_ids and comp.token_ids):
-                        choices.append(ChatStreamChoice(
-                            index=comp.index, delta=delta,
-                            logprobs=logprobs, finish_reason=finish,
-                            stop_reason=comp.stop_reason,
-                            token_ids=comp.token_ids if req.return_token_ids else None))
-                if choices:
-                    yield sse(ChatCompletionChunk(id=request_id, model=model, choices=choices))
-            if req.stream_options and req.stream_options.include_usage:
-                yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[],
-                                              usage=usage(prompt_tokens, completion_tokens)))
-        except Exception as exc:  # noqa: BLE001 (the status line has gone out already)
-            yield stream_error(exc)
-        finally:
-            tracker.close()
-        yield DONE
+
+        def choices(_: int, out: RequestOutput) -> list[ChatStreamChoice]:
+            chosen = []
+            for comp in out.outputs:
+                logprobs = (self._logprobs(comp, req.top_logprobs or 0)
+                            if req.logprobs and comp.logprobs else None)
+                delta, finish = DeltaMessage(content=comp.text or None), comp.finish_reason
+                if mode != "none":
+                    held[comp.index] += comp.text
+                    delta = DeltaMessage()
+                    if finish is not None:
+                        content, calls = parse_tool_calls(held[comp.index], mode, req)
+                        delta = DeltaMessage(content=content,
+                                             tool_calls=tool_call_deltas(calls) or None)
+                        finish = "tool_calls" if calls and finish == "stop" else finish
+                if delta.content or delta.tool_calls or logprobs or finish or (
+                        req.return_token_ids and comp.token_ids):
+                    chosen.append(ChatStreamChoice(
+                        index=comp.index, delta=delta,
+                        logprobs=logprobs, finish_reason=finish,
+                        stop_reason=comp.stop_reason,
+                        token_ids=comp.token_ids if req.return_token_ids else None))
+            return chosen
+
+        head = [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(n)]
+        return self.stream(request_id, model, [gen], n, req, ChatCompletionChunk, choices, head)
 
     async def _collect(self, request_id: str, model: str, gen: AsyncIterator[RequestOutput],
                        n: int, req: ChatCompletionRequest) -> ChatCompletionResponse:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -17,8 +17,8 @@ from jaxserve.engine.input_processor import truncated
 from jaxserve.entrypoints.openai.errors import APIError, bad_request
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import (APIRequest, ChatCompletionRequest,
-                                                  SamplingRequest, TokenizeChatRequest,
-                                                  UsageInfo)
+                                                  ChoicesResponse, SamplingRequest,
+                                                  TokenizeChatRequest, UsageInfo)
 from jaxserve.entrypoints.openai.structured import structured_outputs_of
 from jaxserve.models.chat_template import template_variables, text_content
 from jaxserve.outputs import RequestOutput
@@ -34,6 +34,8 @@ SAMPLING_FIELDS = _OPTIONAL_SAMPLING + _PASSED_SAMPLING + ("max_tokens", "logpro
                                                           "structured_outputs")
 _PROMPT_FIELDS = ("prompt", "prompt_token_ids", "request_id", "cache_salt")
 DONE = "data: [DONE]\n\n"
+# (prompt index, output) -> the choices of the chunk it streams; none: no chunk.
+ChoicesOf = Callable[[int, RequestOutput], Sequence[BaseModel]]
 
 
 def sse(body: BaseModel) -> str:
@@ -191,6 +193,38 @@ class OpenAIServing:
                 raise bad_request(errors[0], fields=SAMPLING_FIELDS + _PROMPT_FIELDS) from None
             raise errors[0]
         return [_prepend(first, gen) for first, gen in zip(firsts, gens)]
+
+    async def stream(self, request_id: str, model: str,
+                     gens: list[AsyncIterator[RequestOutput]], n: int, req: SamplingRequest,
+                     chunk: type[ChoicesResponse], choices_of: ChoicesOf,
+                     head: Sequence[BaseModel] = ()) -> AsyncIterator[str]:
+        """A streamed response's events: `head` (choices sent before any output), a `chunk`
+        of `choices_of` each output, the usage chunk when stream_options asks for it, and
+        [DONE]; a failure after the 200 went out is the event before [DONE]."""
+        trackers = [self.metrics.tracker(n) for _ in gens]
+        prompt_tokens = completion_tokens = 0
+        seen: set[int] = set()
+        try:
+            if head:
+                yield sse(chunk(id=request_id, model=model, choices=head))
+            async for i, out in merge(gens):
+                trackers[i].observe(out)
+                if i not in seen:
+                    seen.add(i)
+                    prompt_tokens += len(out.prompt_token_ids)
+                completion_tokens += sum(len(comp.token_ids) for comp in out.outputs)
+                choices = choices_of(i, out)
+                if choices:
+                    yield sse(chunk(id=request_id, model=model, choices=choices))
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse(chunk(id=request_id, model=model, choices=[],
+                                usage=usage(prompt_tokens, completion_tokens)))
+        except Exception as exc:  # noqa: BLE001 (the status line has gone out already)
+            yield stream_error(exc)
+        finally:
+            for tracker in trackers:
+                tracker.close()
+        yield DONE
 
 
 async def _prepend(first: RequestOutput, gen: AsyncIterator[RequestOutput],

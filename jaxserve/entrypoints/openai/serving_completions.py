@@ -12,8 +12,7 @@ from jaxserve.entrypoints.openai.errors import APIError
 from jaxserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                   CompletionRequest, CompletionResponse,
                                                   LogprobEntry)
-from jaxserve.entrypoints.openai.serving_common import (DONE, OpenAIServing, SSEResponse, merge,
-                                                        sse, stream_error, usage)
+from jaxserve.entrypoints.openai.serving_common import OpenAIServing, SSEResponse, merge, usage
 from jaxserve.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
 
 
@@ -118,48 +117,31 @@ class OpenAIServingCompletion(OpenAIServing):
             offset += len(text)
         return offset
 
-    async def _stream(self, request_id: str, model: str,
-                      gens: list[AsyncIterator[RequestOutput]], n: int, echoes: list[str],
-                      req: CompletionRequest) -> AsyncIterator[str]:
+    def _stream(self, request_id: str, model: str, gens: list[AsyncIterator[RequestOutput]],
+                n: int, echoes: list[str], req: CompletionRequest) -> AsyncIterator[str]:
         want_logprobs = req.logprobs is not None
-        trackers = [self.metrics.tracker(n) for _ in gens]
         pending_echo = {i * n + j: echoes[i] for i in range(len(gens)) for j in range(n)
                         if echoes[i]}
         offsets: dict[int, int] = {}
-        prompt_tokens = completion_tokens = 0
-        seen: set[int] = set()
-        try:
-            async for i, out in merge(gens):
-                trackers[i].observe(out)
-                if i not in seen:
-                    seen.add(i)
-                    prompt_tokens += len(out.prompt_token_ids)
-                choices = []
-                for comp in out.outputs:
-                    index = i * n + comp.index
-                    completion_tokens += len(comp.token_ids)
-                    text = pending_echo.pop(index, "") + comp.text
-                    logprobs = None
-                    if want_logprobs and comp.logprobs:
-                        logprobs, offsets[index] = self._logprobs(
-                            comp.token_ids, comp.logprobs, offsets.get(index, 0))
-                    if text or logprobs or comp.finish_reason or (
-                            req.return_token_ids and comp.token_ids):
-                        choices.append(CompletionChoice(
-                            index=index, text=text, logprobs=logprobs,
-                            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
-                            token_ids=comp.token_ids if req.return_token_ids else None))
-                if choices:
-                    yield sse(CompletionResponse(id=request_id, model=model, choices=choices))
-            if req.stream_options and req.stream_options.include_usage:
-                yield sse(CompletionResponse(id=request_id, model=model, choices=[],
-                                             usage=usage(prompt_tokens, completion_tokens)))
-        except Exception as exc:  # noqa: BLE001 (the status line has gone out already)
-            yield stream_error(exc)
-        finally:
-            for tracker in trackers:
-                tracker.close()
-        yield DONE
+
+        def choices(i: int, out: RequestOutput) -> list[CompletionChoice]:
+            chosen = []
+            for comp in out.outputs:
+                index = i * n + comp.index
+                text = pending_echo.pop(index, "") + comp.text
+                logprobs = None
+                if want_logprobs and comp.logprobs:
+                    logprobs, offsets[index] = self._logprobs(
+                        comp.token_ids, comp.logprobs, offsets.get(index, 0))
+                if text or logprobs or comp.finish_reason or (
+                        req.return_token_ids and comp.token_ids):
+                    chosen.append(CompletionChoice(
+                        index=index, text=text, logprobs=logprobs,
+                        finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                        token_ids=comp.token_ids if req.return_token_ids else None))
+            return chosen
+
+        return self.stream(request_id, model, gens, n, req, CompletionResponse, choices)
 
     async def _collect(self, request_id: str, model: str,
                        gens: list[AsyncIterator[RequestOutput]], n: int, echoes: list[str],
