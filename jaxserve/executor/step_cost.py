@@ -166,7 +166,7 @@ class _Walker:
         if op == "parameter":
             if comp.name == self.module.entry:
                 meta = instr.attribute("metadata") or ""
-                if "cache" in meta or "draft_kv" in meta:
+                if "cache" in meta:
                     return "kv"
                 return "weights" if "state[" in meta else "activations"
             caller_comp, caller = self.callers[comp.name]
