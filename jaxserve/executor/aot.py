@@ -69,7 +69,7 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
     programs, left = compile_all(program, warm_up_programs(
         token_buckets, request_buckets, program.max_blocks_per_seq, cfg.eos_token_ids,
         config.model.max_logprobs, cfg.vocab_size, num_speculative_tokens(config)))
-    caches = [program.kv, program.kv, *program.drafter_state]
+    caches = [program.kv, program.kv, *program.drafter_cache]
     programs[compiled_dir.KV_INIT] = jax.jit(
         lambda: tuple(jnp.zeros(kv.shape, kv.dtype) for kv in caches),
         out_shardings=tuple(kv.sharding for kv in caches)).trace().lower().compile()

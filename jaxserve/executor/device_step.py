@@ -139,6 +139,14 @@ class StepOutputs(NamedTuple):
     rows: jax.Array  # i32[3, S]  spec_verify.sample_rows: the sampler's row drafts and shifts
 
 
+class Forward(NamedTuple):
+    """A step's pass: the merged model and its hidden states (prompt logprobs read them), and
+    the step's outputs."""
+    model: Llama
+    hidden: jax.Array  # [T, D]
+    out: Any  # StepOutputs, or spec_step.SpecStepOutputs
+
+
 def read_inputs(layout: PackedLayout, prev: PrevSamples, inputs: jax.Array,
                 block_size: int) -> StepInputs:
     # inputs: i32[n], the packed (input_ids, prev_rows, AttentionMetadata, logits_indices,
@@ -173,22 +181,20 @@ def rows_of(statics: StepStatics, x: StepInputs, input_ids: jax.Array) -> jax.Ar
 
 
 def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
-             v_cache: jax.Array, prev: PrevSamples, inputs: jax.Array,
-             ) -> tuple[Llama, jax.Array, StepInputs, StepOutputs]:
-    """The model, its hidden states [T, D], the inputs, and the step's outputs."""
+             v_cache: jax.Array, prev: PrevSamples, inputs: jax.Array) -> Forward:
     x = read_inputs(layout, prev, inputs, block_size=k_cache.shape[3])
     model = nnx.merge(statics.graphdef, state)
     hidden, k_cache, v_cache = run_model(statics, model, x.input_ids, x.md, k_cache, v_cache)
     logits = model.compute_logits(hidden[x.logits_indices])
-    return model, hidden, x, StepOutputs(k_cache, v_cache, logits,
-                                         rows_of(statics, x, x.input_ids))
+    return Forward(model, hidden, StepOutputs(k_cache, v_cache, logits,
+                                              rows_of(statics, x, x.input_ids)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
 def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
           v_cache: jax.Array, prev: PrevSamples, inputs: jax.Array) -> StepOutputs:
     """The plain step: inputs -> model -> the sampler's logits and rows."""
-    return _forward(statics, layout, state, k_cache, v_cache, prev, inputs)[3]
+    return _forward(statics, layout, state, k_cache, v_cache, prev, inputs).out
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
@@ -198,8 +204,8 @@ def _step_prompt_logprobs(statics: StepStatics, layout: PackedLayout, num_top: i
                           ) -> tuple[StepOutputs, TokenLogprobs]:
     """`_step`, plus every token row's logprob of `targets` (i32[T], the next prompt token):
     a separate program per token bucket, run only for steps where a row asks."""
-    model, hidden, _, out = _forward(statics, layout, state, k_cache, v_cache, prev, inputs)
-    return out, token_logprobs(model.compute_logits(hidden), targets, num_top)  # over [T, V]
+    f = _forward(statics, layout, state, k_cache, v_cache, prev, inputs)
+    return f.out, token_logprobs(f.model.compute_logits(f.hidden), targets, num_top)  # [T, V]
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -35,7 +35,7 @@ from jaxserve.executor.mesh import replicate, to_host
 from jaxserve.executor.device_step import (PrevSamples, ProgramKey, StepOutputs, StepStatics,
                                            _sample, sample_rows_shape, split_model,
                                            step_inputs, step_key, step_statics)
-from jaxserve.executor.drafter import DrafterState, make_drafter
+from jaxserve.executor.drafter import DrafterCache, make_drafter
 from jaxserve.executor.spec_step import (SpecStatics, SpecStepOutputs, engine_statics,
                                          model_step)
 from jaxserve.executor.input_batch import InputBatch, StepArrays
@@ -101,15 +101,15 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: Llama, k_cache: jax.Array, v_cache: jax.Array,
                  backend: AttentionBackend, mesh: Mesh, max_model_len: int,
                  eos_token_ids: tuple[int, ...], draft: Llama | None = None,
-                 drafter_state: DrafterState = ()):
-        """`draft`: the draft model (speculative `draft_model`); `drafter_state`: the
+                 drafter_cache: DrafterCache = ()):
+        """`draft`: the draft model (speculative `draft_model`); `drafter_cache`: the
         drafter's zeroed device state (executor/drafter.py)."""
         self.config = config
         self.mesh = mesh
         self.kv_sharding = k_cache.sharding
         self.model = model
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.drafter_state = drafter_state
+        self.drafter_cache = drafter_cache
         self.eos_token_ids = eos_token_ids
         block_size = config.cache.block_size
         self.max_model_len = max_model_len
@@ -121,7 +121,7 @@ class ModelRunner:
         # Module-level jits (_step, _sample): engines with the same model structure and step
         # shapes share compiled executables within a process.
         graphdef, self.params = split_model(model)
-        draft_graphdef, self.draft_params = split_model(draft) if draft else (None, {})
+        draft_graphdef, self.drafter_weights = split_model(draft) if draft else (None, {})
         plain, verifying = step_statics(
             config, graphdef, backend, self.kv_sharding,
             chip_of(mesh.devices.flat[0].device_kind), model.cfg, model.dtype.itemsize)
@@ -234,14 +234,14 @@ class ModelRunner:
         """The step's leading array arguments: the target's weights and caches (donated), then
         with speculation the drafter's weights and state (donated)."""
         target = (self.params, self.k_cache, self.v_cache)
-        return target if self.drafter is None else (*target, self.draft_params,
-                                                    self.drafter_state)
+        return target if self.drafter is None else (*target, self.drafter_weights,
+                                                    self.drafter_cache)
 
     def _keep(self, out: StepOutputs | SpecStepOutputs) -> tuple[jax.Array, jax.Array]:
         """Hold the caches a step wrote; its (logits, rows) for the sampler."""
         self.k_cache, self.v_cache = out.k_cache, out.v_cache
         if isinstance(out, SpecStepOutputs):
-            self.drafter_state = out.drafter_state
+            self.drafter_cache = out.drafter_cache
         return out.logits, out.rows
 
     def _call_step(self, arrays: StepArrays, key: ProgramKey, prev: PrevSamples,
@@ -291,7 +291,7 @@ class ModelRunner:
         if last is None or last.k_cache() is not self.k_cache:
             raise RuntimeError("time_last_step: no step was launched since the KV cache was "
                                "last written")
-        jax.block_until_ready((self.k_cache, self.v_cache, self.drafter_state, self.prev))
+        jax.block_until_ready((self.k_cache, self.v_cache, self.drafter_cache, self.prev))
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()

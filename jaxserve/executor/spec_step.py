@@ -12,13 +12,12 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
-from jaxserve.executor.device_step import (PrevSamples, Statics, StepInputs, StepStatics,
-                                           _step, _step_prompt_logprobs, read_inputs, rows_of,
+from jaxserve.executor.device_step import (Forward, PrevSamples, Statics, StepStatics, _step,
+                                           _step_prompt_logprobs, read_inputs, rows_of,
                                            run_model)
-from jaxserve.executor.drafter import Drafter, DrafterState, Proposal
+from jaxserve.executor.drafter import Drafter, DrafterCache, Proposal
 from jaxserve.executor.packing import PackedLayout
 from jaxserve.layers.sampler import TokenLogprobs, token_logprobs
-from jaxserve.models.llama import Llama
 
 
 class SpecStatics(Statics):
@@ -32,51 +31,51 @@ class SpecStatics(Statics):
 class SpecStepOutputs(NamedTuple):
     k_cache: jax.Array  # the donated caches, written
     v_cache: jax.Array
-    drafter_state: DrafterState  # donated, written
+    drafter_cache: DrafterCache  # donated, written
     logits: jax.Array  # f32[S, V]
     rows: jax.Array  # i32[3, S]  spec_verify.sample_rows: the sampler's row drafts and shifts
 
 
 def _spec_forward(statics: SpecStatics, layout: PackedLayout, state: nnx.State,
-                  k_cache: jax.Array, v_cache: jax.Array, draft_state: Any,
-                  draft_cache: DrafterState, prev: PrevSamples, inputs: jax.Array,
-                  ) -> tuple[Llama, jax.Array, StepInputs, SpecStepOutputs]:
+                  k_cache: jax.Array, v_cache: jax.Array, drafter_weights: Any,
+                  drafter_cache: DrafterCache, prev: PrevSamples, inputs: jax.Array,
+                  ) -> Forward:
     step, drafter = statics.step, statics.drafter
     x = read_inputs(layout, prev, inputs, block_size=k_cache.shape[3])
     model = nnx.merge(step.graphdef, state)
-    p = Proposal(x.input_ids, k_cache, v_cache, draft_cache)
+    p = Proposal(x.input_ids, k_cache, v_cache, drafter_cache)
     if statics.proposes:
-        p = drafter.propose(model, draft_state, step.backend, p, x.md, x.draft_starts,
+        p = drafter.propose(model, drafter_weights, step.backend, p, x.md, x.draft_starts,
                             x.num_drafts)
     hidden, k_cache, v_cache = run_model(step, model, p.input_ids, x.md, p.k_cache, p.v_cache)
-    draft_cache = drafter.pin(
-        drafter.observe(draft_state, step.backend, p.state, p.input_ids, x.md), step.kv_sharding)
+    drafter_cache = drafter.pin(
+        drafter.observe(drafter_weights, step.backend, p.drafter_cache, p.input_ids, x.md), step.kv_sharding)
     logits = model.compute_logits(hidden[x.logits_indices])
-    return model, hidden, x, SpecStepOutputs(k_cache, v_cache, draft_cache, logits,
-                                             rows_of(step, x, p.input_ids))
+    return Forward(model, hidden, SpecStepOutputs(k_cache, v_cache, drafter_cache, logits,
+                                                  rows_of(step, x, p.input_ids)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 6))
 def _spec_step(statics: SpecStatics, layout: PackedLayout, state: nnx.State,
-               k_cache: jax.Array, v_cache: jax.Array, draft_state: Any,
-               draft_cache: DrafterState, prev: PrevSamples, inputs: jax.Array,
+               k_cache: jax.Array, v_cache: jax.Array, drafter_weights: Any,
+               drafter_cache: DrafterCache, prev: PrevSamples, inputs: jax.Array,
                ) -> SpecStepOutputs:
-    """`draft_state`: the drafter's weights; `draft_cache`: its state."""
-    return _spec_forward(statics, layout, state, k_cache, v_cache, draft_state, draft_cache,
-                         prev, inputs)[3]
+    """`drafter_weights`: the drafter's weights; `drafter_cache`: its state."""
+    return _spec_forward(statics, layout, state, k_cache, v_cache, drafter_weights, drafter_cache,
+                         prev, inputs).out
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 7))
 def _spec_step_prompt_logprobs(statics: SpecStatics, layout: PackedLayout, num_top: int,
                                state: nnx.State, k_cache: jax.Array, v_cache: jax.Array,
-                               draft_state: Any, draft_cache: DrafterState,
+                               drafter_weights: Any, drafter_cache: DrafterCache,
                                prev: PrevSamples, inputs: jax.Array, targets: jax.Array,
                                ) -> tuple[SpecStepOutputs, TokenLogprobs]:
     """`_spec_step`, plus every token row's logprob of `targets` (as device_step's
     `_step_prompt_logprobs`)."""
-    model, hidden, _, out = _spec_forward(statics, layout, state, k_cache, v_cache,
-                                          draft_state, draft_cache, prev, inputs)
-    return out, token_logprobs(model.compute_logits(hidden), targets, num_top)
+    f = _spec_forward(statics, layout, state, k_cache, v_cache, drafter_weights, drafter_cache, prev,
+                      inputs)
+    return f.out, token_logprobs(f.model.compute_logits(f.hidden), targets, num_top)
 
 
 

@@ -168,7 +168,8 @@ class _Walker:
                 meta = instr.attribute("metadata") or ""
                 if "cache" in meta:
                     return "kv"
-                return "weights" if "state[" in meta else "activations"
+                return ("weights" if "state[" in meta or "drafter_weights[" in meta
+                        else "activations")
             caller_comp, caller = self.callers[comp.name]
             if caller.opcode == "fusion":
                 return self.origin(caller_comp, caller.operands[int(instr.operands[0])])

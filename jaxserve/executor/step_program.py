@@ -54,7 +54,7 @@ class StepProgram:
     prev: PrevSamples  # of ShapeDtypeStructs
     max_blocks_per_seq: int
     drafter_weights: Any = None  # with speculation: the draft model's weights ({}: none)
-    drafter_state: tuple[jax.ShapeDtypeStruct, ...] = ()  # with speculation: the drafter's
+    drafter_cache: tuple[jax.ShapeDtypeStruct, ...] = ()  # with speculation: the drafter's
 
     @property
     def mesh(self) -> Any:
@@ -65,7 +65,7 @@ class StepProgram:
         """The step's leading array arguments (as the model runner's)."""
         target = (self.state, self.kv, self.kv)
         return target if self.drafter_weights is None else (*target, self.drafter_weights,
-                                                            self.drafter_state)
+                                                            self.drafter_cache)
 
     def compile(self, num_tokens: int, num_reqs: int, num_sample_rows: int | None = None,
                 device_drafts: bool = False) -> Any:
@@ -129,9 +129,9 @@ def step_program(target: ModelParts, config: EngineConfig, backend: AttentionBac
         return program
     if draft is not None:
         return replace(program, drafter_weights=_abstract(draft.state),
-                       drafter_state=(_kv(draft, num_blocks, bs, kv_sharding),) * 2)
+                       drafter_cache=(_kv(draft, num_blocks, bs, kv_sharding),) * 2)
     tokens = () if ngram_lookup(config) is None else (token_cache_shape(num_blocks, bs, mesh),)
-    return replace(program, drafter_weights={}, drafter_state=tokens)
+    return replace(program, drafter_weights={}, drafter_cache=tokens)
 
 
 def token_cache_shape(num_blocks: int, block_size: int, mesh: Any) -> jax.ShapeDtypeStruct:
