@@ -122,11 +122,12 @@ class ModelRunner:
         # shapes share compiled executables within a process.
         graphdef, self.params = split_model(model)
         draft_graphdef, self.drafter_weights = split_model(draft) if draft else (None, {})
-        plain, verifying = step_statics(
+        # The model's statics (steps without drafts), then each model program's.
+        self.statics, verifying = step_statics(
             config, graphdef, backend, self.kv_sharding,
             chip_of(mesh.devices.flat[0].device_kind), model.cfg, model.dtype.itemsize)
         self.drafter = make_drafter(config, draft_graphdef)
-        self.statics = engine_statics(plain, verifying, self.drafter)
+        self.program_statics = engine_statics(self.statics, verifying, self.drafter)
         # The last launched step's samples, and per request whose next input one of them is:
         # its first sample row there and its drafts.
         zeros = jax.device_put(np.zeros(max_sample_rows(config), np.int32),
@@ -228,7 +229,7 @@ class ModelRunner:
         return out, prompt_out, ids
 
     def _statics(self, arrays: StepArrays) -> StepStatics | SpecStatics:
-        return self.statics[arrays.device_drafts]
+        return self.program_statics[arrays.device_drafts]
 
     def _weights_and_caches(self) -> tuple[Any, ...]:
         """The step's leading array arguments: the target's weights and caches (donated), then
