@@ -2,7 +2,7 @@
 
 A step is two jitted pure functions (executor/device_step.py): the model `(params, kv_caches,
 batch) -> (kv_caches, logits)`, with the KV cache donated (with speculation, the step of
-executor/spec_step.py, whose drafter's weights and state are arguments too), then the sampler
+executor/spec_step.py, whose drafter's weights and cache are arguments too), then the sampler
 `(logits, sampling) -> (sampled, logprobs)`, whose sampled ids and accepted-draft counts are
 the one array the host reads back. The model's shapes come only from the bucket lists, so
 after warm-up it never compiles again; the sampler's also depend on the padded token-history
@@ -103,7 +103,7 @@ class ModelRunner:
                  eos_token_ids: tuple[int, ...], draft: Llama | None = None,
                  drafter_cache: DrafterCache = ()):
         """`draft`: the draft model (speculative `draft_model`); `drafter_cache`: the
-        drafter's zeroed device state (executor/drafter.py)."""
+        drafter's zeroed cache (executor/drafter.py)."""
         self.config = config
         self.mesh = mesh
         self.kv_sharding = k_cache.sharding
@@ -233,7 +233,7 @@ class ModelRunner:
 
     def _weights_and_caches(self) -> tuple[Any, ...]:
         """The step's leading array arguments: the target's weights and caches (donated), then
-        with speculation the drafter's weights and state (donated)."""
+        with speculation the drafter's weights and cache (donated)."""
         target = (self.params, self.k_cache, self.v_cache)
         return target if self.drafter is None else (*target, self.drafter_weights,
                                                     self.drafter_cache)

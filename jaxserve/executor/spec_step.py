@@ -1,7 +1,7 @@
 """A speculative engine's model step: the plain step's pieces (executor/device_step.py) around
 its drafter (executor/drafter.py). A drafting step has the drafter propose its drafts into the
 inputs first; every step then runs the target and lets the drafter observe what it computed.
-The drafter's weights and its state (donated, like the target's caches) are arguments; a step
+The drafter's weights and its cache (donated, like the target's caches) are arguments; a step
 that drafts nothing is a separate program, which proposes nothing."""
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def _spec_forward(statics: SpecStatics, layout: PackedLayout, state: nnx.State,
         p = drafter.propose(model, drafter_weights, step.backend, p, x.md, x.draft_starts,
                             x.num_drafts)
     hidden, k_cache, v_cache = run_model(step, model, p.input_ids, x.md, p.k_cache, p.v_cache)
-    drafter_cache = drafter.pin(
-        drafter.observe(drafter_weights, step.backend, p.drafter_cache, p.input_ids, x.md), step.kv_sharding)
+    drafter_cache = drafter.pin(drafter.observe(drafter_weights, step.backend, p.drafter_cache,
+                                                p.input_ids, x.md), step.kv_sharding)
     logits = model.compute_logits(hidden[x.logits_indices])
     return Forward(model, hidden, SpecStepOutputs(k_cache, v_cache, drafter_cache, logits,
                                                   rows_of(step, x, p.input_ids)))
@@ -60,7 +60,7 @@ def _spec_step(statics: SpecStatics, layout: PackedLayout, state: nnx.State,
                k_cache: jax.Array, v_cache: jax.Array, drafter_weights: Any,
                drafter_cache: DrafterCache, prev: PrevSamples, inputs: jax.Array,
                ) -> SpecStepOutputs:
-    """`drafter_weights`: the drafter's weights; `drafter_cache`: its state."""
+    """With the drafter's weights (none: {}) and its cache (donated)."""
     return _spec_forward(statics, layout, state, k_cache, v_cache, drafter_weights, drafter_cache,
                          prev, inputs).out
 
@@ -73,8 +73,8 @@ def _spec_step_prompt_logprobs(statics: SpecStatics, layout: PackedLayout, num_t
                                ) -> tuple[SpecStepOutputs, TokenLogprobs]:
     """`_spec_step`, plus every token row's logprob of `targets` (as device_step's
     `_step_prompt_logprobs`)."""
-    f = _spec_forward(statics, layout, state, k_cache, v_cache, drafter_weights, drafter_cache, prev,
-                      inputs)
+    f = _spec_forward(statics, layout, state, k_cache, v_cache, drafter_weights, drafter_cache,
+                      prev, inputs)
     return f.out, token_logprobs(f.model.compute_logits(f.hidden), targets, num_top)
 
 

@@ -1,8 +1,8 @@
 """The engine's model step as an abstract program: weights, KV caches (and with speculation the
-drafter's weights and state: the draft model's caches, or n-gram's token cache) and inputs as
-sharded ShapeDtypeStructs, lowered through the same jitted step the model runner calls. The compile check builds it for
-targets without chips; the worker compiles its largest step once to learn the temporaries the
-KV pool must leave room for."""
+drafter's weights and cache: the draft model's KV, or n-gram's token cache) and inputs as
+sharded ShapeDtypeStructs, lowered through the same jitted step the model runner calls. The
+compile check builds it for targets without chips; the worker compiles its largest step once
+to learn the temporaries the KV pool must leave room for."""
 
 from __future__ import annotations
 
