@@ -14,7 +14,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.executor import compiled_dir
 from jaxserve.executor.compile_check import device_draft_config, device_model_config, prepare
 from jaxserve.executor.input_batch import StepArrays
-from jaxserve.executor.device_step import STEP_LOGITS, ProgramKey, step_key
+from jaxserve.executor.device_step import ProgramKey, step_key
 from jaxserve.executor.packing import pack
 from jaxserve.executor.program_order import planned_programs
 from jaxserve.executor.targets import Target
@@ -44,7 +44,7 @@ def compile_all(compiler: ProgramCompiler,
         if sample_key not in programs and sample_key not in left:
             try:
                 programs[sample_key] = compiler.compile_sampler(
-                    sampling, programs[key].out_info[STEP_LOGITS])
+                    sampling, programs[key].out_info.logits)
             except Exception as e:  # noqa: BLE001 - reported; the device compiles it at start
                 left[sample_key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return programs, left
@@ -65,7 +65,7 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
     """Compile deviceless for the target; weights are abstract, so a model config suffices."""
     program, _, plan = prepare(target, cfg, config)
     programs, left = compile_all(program, planned_programs(config, cfg, plan))
-    caches = [program.kv, program.kv, *(program.draft_kv or ())]
+    caches = [program.kv, program.kv, *program.drafter_cache]
     programs[compiled_dir.KV_INIT] = jax.jit(
         lambda: tuple(jnp.zeros(kv.shape, kv.dtype) for kv in caches),
         out_shardings=tuple(kv.sharding for kv in caches)).trace().lower().compile()

@@ -1,13 +1,13 @@
 """The engine's real model step compiled for a TPU or GPU target on a host without the chips.
 
-Abstract weights (shapes and shardings only) go through the same jitted `_step` the model runner
-calls, with the same TP sharding rules and attention backend, and the target's own compiler
-(libtpu for TPU topologies, the CUDA compile-only plugin for GPU descriptions) builds it. What
-the compiler reports is deterministic: per-device memory, the ops that copy or transpose a
-buffer as large as a layer of the KV cache or an array of a weight's shape (a whole stack, or
-one layer's slice: a relaid-out weight is read and written again every step), and the program
-itself, whose time on the chip step_cost.py models for the batches a bucket is judged on
-(step_floor.py), beside the floor no program can beat.
+Abstract weights (shapes and shardings only) go through the same jitted model step the model
+runner calls, with the same TP sharding rules and attention backend, and the target's own
+compiler (libtpu for TPU topologies, the CUDA compile-only plugin for GPU descriptions) builds
+it. What the compiler reports is deterministic: per-device memory, the ops that copy or
+transpose a buffer as large as a layer of the KV cache or an array of a weight's shape (a whole
+stack, or one layer's slice: a relaid-out weight is read and written again every step), and the
+program itself, whose time on the chip step_cost.py models for the batches a bucket is judged
+on (step_floor.py), beside the floor no program can beat.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ FORMAT = 7  # the programs' arguments (2: the last step's samples with their acc
 # drafts, and a tied head on the native CPU path is packed; 5: the TPU kernel writes the KV
 # cache, and the step's sample rows come back replicated; 6: the `cpu` backend's weights as
 # loaded, no longer fused and packed for the deleted native matmul; 7: the engine's resolved
-# plan in the fingerprint)
+# plan in the fingerprint; the plain step takes no draft arguments, a speculative step its
+# drafter's weights and state, and both return named outputs)
 # Engine arguments that change a program's shapes, sharding or code.
 SHAPE_ARGS = ("dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
               "token_buckets", "request_buckets", "attention_backend", "scan_layers",

@@ -2,10 +2,9 @@
 `(weights, KV caches, inputs) -> (KV caches, logits, the sampler's rows)`, with the caches
 donated and their layout pinned, and the sampler program. Both read what the step before
 sampled on the device (`PrevSamples`): a step scheduled while it ran takes its sampled ids as
-inputs and its accepted drafts as the correction of its positions (spec_verify.py). A draft
-model's weights and caches are arguments too (speculative draft_model: its catch-up runs in
-every step, executor/draft_model.py); the drafting program proposes drafts on the device first
-(executor/device_drafts.py). The model runner calls these; the abstract step program (compile
+inputs and its accepted drafts as the correction of its positions (spec_verify.py). This is
+the plain step; a speculative engine's steps compose its pieces with a drafter
+(executor/spec_step.py). The model runner calls these; the abstract step program (compile
 check, KV pool sizing) lowers them."""
 
 from __future__ import annotations
@@ -22,12 +21,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import EngineConfig
-from jaxserve.executor.device_drafts import propose_drafts, propose_ngram_drafts, write_tokens
-from jaxserve.executor.draft_model import catch_up
 from jaxserve.executor.input_batch import StepArrays
 from jaxserve.executor.packing import PackedLayout, pack, unpack
 from jaxserve.executor.spec_verify import accepted_drafts, resolve_previous_step, sample_rows
-from jaxserve.executor.step_shapes import device_draft_statics
 from jaxserve.executor.targets import Chip
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.layers.axes import AXIS
@@ -37,10 +33,6 @@ from jaxserve.models.llama import DENSE_PARAMS, Llama
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
 
 ProgramKey = tuple[str, PackedLayout | None]  # (kind, the packed inputs' layout)
-# The drafter's caches over the KV blocks, donated like the target's: the draft model's (k, v)
-# [L_d, Hkv_d, NB, BS, D_d], or n-gram's (token_cache,) i32[NB, BS]; None for the others.
-DraftKV = tuple[jax.Array, ...] | None
-STEP_LOGITS = 3  # `_step` returns (k_cache, v_cache, draft_kv, logits, rows)
 
 
 class PrevSamples(NamedTuple):
@@ -55,49 +47,41 @@ def sample_rows_shape(num_rows: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((3, num_rows), jnp.int32)
 
 
-class StepStatics:
-    """The jitted step's static arguments. jit hashes static arguments on every call, and an
-    NNX GraphDef takes milliseconds to hash, so the hash is computed once here.
-    `draft_graphdef`: the engine's draft model (its catch-up runs in every step).
-    `max_drafts` > 0: the drafting program, which drafts up to `max_drafts` tokens a request
-    on the device: from the draft model, by n-gram lookup, or (layer-skip self-speculation)
-    from the target's first `draft_layers` layers. `ngram`: (prompt_lookup_min, _max) with
-    n-gram speculation, whose token cache every program writes. `collective`: where the
-    target's steps overlap their tensor-parallel collectives with the matmuls."""
+class Statics:
+    """A jitted step's static argument. jit hashes static arguments on every call, and an NNX
+    GraphDef takes milliseconds to hash, so the hash of `key` is computed once here."""
 
-    def __init__(self, graphdef: nnx.GraphDef, backend: AttentionBackend,
-                 kv_sharding: NamedSharding, draft_layers: int = 0, max_drafts: int = 0,
-                 draft_graphdef: nnx.GraphDef | None = None,
-                 ngram: tuple[int, int] | None = None,
-                 collective: CollectiveMatmul | None = None):
-        self.graphdef, self.backend, self.kv_sharding = graphdef, backend, kv_sharding
-        self.draft_layers, self.max_drafts = draft_layers, max_drafts
-        self.draft_graphdef, self.ngram, self.collective = draft_graphdef, ngram, collective
-        self._key = (graphdef, backend, kv_sharding, draft_layers, max_drafts, draft_graphdef,
-                     ngram, collective)
-        self._hash = hash(self._key)
+    def __init__(self, key: tuple[Any, ...]):
+        self._key, self._hash = key, hash(key)
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, StepStatics) and self._hash == other._hash
+        return self is other or (type(other) is type(self) and self._hash == other._hash
                                  and self._key == other._key)
+
+
+class StepStatics(Statics):
+    """The model's graph and how its steps run: the attention backend, the KV caches' layout,
+    and where the steps overlap their tensor-parallel collectives with the matmuls."""
+
+    def __init__(self, graphdef: nnx.GraphDef, backend: AttentionBackend,
+                 kv_sharding: NamedSharding, collective: CollectiveMatmul | None = None):
+        self.graphdef, self.backend, self.kv_sharding = graphdef, backend, kv_sharding
+        self.collective = collective
+        super().__init__((graphdef, backend, kv_sharding, collective))
 
 
 def step_statics(config: EngineConfig, graphdef: nnx.GraphDef, backend: AttentionBackend,
                  kv_sharding: NamedSharding, chip: Chip | None, cfg: LlamaConfig,
-                 itemsize: int, draft_graphdef: nnx.GraphDef | None = None,
-                 ) -> tuple[StepStatics, StepStatics | None]:
-    """The plain program's statics and the drafting program's (None: no speculation).
-    `chip`: the device's published figures (None on CPU); `cfg`, `itemsize`: the target model
-    as the devices hold it."""
-    draft_layers, max_drafts, ngram = device_draft_statics(config)
+                 itemsize: int) -> tuple[StepStatics, StepStatics]:
+    """The statics of steps without drafts, whose decodes are one row each, and of steps that
+    verify drafts. `chip`: the device's published figures (None on CPU); `cfg`, `itemsize`:
+    the target model as the devices hold it."""
     collective = collective_matmul(config, kv_sharding.mesh, chip, cfg, itemsize)
-    plain = StepStatics(graphdef, backend.without_drafts(), kv_sharding,
-                        draft_graphdef=draft_graphdef, ngram=ngram, collective=collective)
-    return plain, StepStatics(graphdef, backend, kv_sharding, draft_layers, max_drafts,
-                              draft_graphdef, ngram, collective) if max_drafts else None
+    return (StepStatics(graphdef, backend.without_drafts(), kv_sharding, collective),
+            StepStatics(graphdef, backend, kv_sharding, collective))
 
 
 def collective_matmul(config: EngineConfig, mesh: Mesh, chip: Chip | None, cfg: LlamaConfig,
@@ -138,89 +122,90 @@ def _collective_matmul_gain(tokens: int, tp: int, cfg: LlamaConfig, itemsize: in
     return plain - overlapped
 
 
-class _Forward(NamedTuple):
-    model: Llama
-    hidden: jax.Array  # [T, D]
-    k_cache: jax.Array
-    v_cache: jax.Array
-    draft_kv: DraftKV
+class StepInputs(NamedTuple):
+    """The step's inputs on the device, as the step before it turned out (spec_verify.py)."""
+    input_ids: jax.Array  # i32[T]  drafts as placeholders
+    md: AttentionMetadata
     logits_indices: jax.Array  # i32[S]
+    draft_starts: jax.Array  # i32[R]  each request's last known token's row
+    num_drafts: jax.Array  # i32[R]  its drafts (0: none)
+    token_shift: jax.Array  # i32[T]  how far back each token moved
+
+
+class StepOutputs(NamedTuple):
+    k_cache: jax.Array  # the donated caches, written
+    v_cache: jax.Array
+    logits: jax.Array  # f32[S, V]
     rows: jax.Array  # i32[3, S]  spec_verify.sample_rows: the sampler's row drafts and shifts
 
 
-def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
-             v_cache: jax.Array, draft_state: nnx.State | None, draft_kv: DraftKV,
-             prev: PrevSamples, inputs: jax.Array) -> _Forward:
+class Forward(NamedTuple):
+    """A step's pass: the merged model and its hidden states (prompt logprobs read them), and
+    the step's outputs."""
+    model: Llama
+    hidden: jax.Array  # [T, D]
+    out: Any  # StepOutputs, or spec_step.SpecStepOutputs
+
+
+def read_inputs(layout: PackedLayout, prev: PrevSamples, inputs: jax.Array,
+                block_size: int) -> StepInputs:
     # inputs: i32[n], the packed (input_ids, prev_rows, AttentionMetadata, logits_indices,
     # draft_starts, num_drafts, prev_base, prev_drafts)
     (input_ids, prev_rows, md, logits_indices, draft_starts, num_drafts, prev_base,
      prev_drafts) = unpack(layout, inputs)
     input_ids, md, token_shift = resolve_previous_step(
         input_ids, prev_rows, md, prev.sampled, prev.accepted, prev_base, prev_drafts,
-        block_size=k_cache.shape[3])
-    model = nnx.merge(statics.graphdef, state)
-    draft = None if statics.draft_graphdef is None else nnx.merge(statics.draft_graphdef,
-                                                                  draft_state)
-    # Drafts are proposed into input_ids' draft slots, where the sampler's rows read them.
-    if statics.ngram is not None:  # every step writes the tokens the lookup reads
-        token_cache = write_tokens(draft_kv[0], input_ids, md)
-        if statics.max_drafts:
-            input_ids, _ = propose_ngram_drafts(
-                token_cache, *statics.ngram, statics.max_drafts, input_ids, md, draft_starts,
-                num_drafts)
-            token_cache = write_tokens(token_cache, input_ids, md)  # the drafts too
-        draft_kv = (token_cache,)
-    elif statics.max_drafts and draft is None:  # layer skip: the target's first layers draft
-        input_ids, k_cache, v_cache = propose_drafts(
-            model, statics.draft_layers, statics.backend, statics.max_drafts, input_ids, md,
-            draft_starts, num_drafts, k_cache, v_cache)
-    elif statics.max_drafts:  # the draft model drafts, over its own cache
-        input_ids, draft_k, draft_v = propose_drafts(
-            draft, None, statics.backend, statics.max_drafts, input_ids, md, draft_starts,
-            num_drafts, *draft_kv)
-        draft_kv = (draft_k, draft_v)
+        block_size=block_size)
+    return StepInputs(input_ids, md, logits_indices, draft_starts, num_drafts, token_shift)
+
+
+def run_model(statics: StepStatics, model: Llama, input_ids: jax.Array, md: AttentionMetadata,
+              k_cache: jax.Array, v_cache: jax.Array,
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(hidden [T, D], k_cache, v_cache): the target's pass, its caches pinned to their
+    layout so the donated buffers come back exactly as they went in."""
     hidden, k_cache, v_cache = model(input_ids, md, k_cache, v_cache, statics.backend,
                                      collective=statics.collective)
-    if draft is not None:
-        draft_kv = catch_up(draft, statics.backend, input_ids, md, *draft_kv)
-    # Pin the caches' layout so the donated buffers come back exactly as they went in (the
-    # token cache is replicated).
-    k_cache, v_cache, draft_kv = jax.tree.map(
-        lambda c: jax.lax.with_sharding_constraint(
-            c, statics.kv_sharding if c.ndim == 5 else replicated(statics.kv_sharding)),
-        (k_cache, v_cache, draft_kv))
-    # Replicated as the host reads them: a step whose residual is sharded by rows
-    # (collective matmul) would have the compiler shard what is read off its tokens too.
-    rows = jax.lax.with_sharding_constraint(
-        sample_rows(input_ids, md.query_start_loc, logits_indices, draft_starts, num_drafts,
-                    token_shift), replicated(statics.kv_sharding))
-    return _Forward(model, hidden, k_cache, v_cache, draft_kv, logits_indices, rows)
+    k_cache, v_cache = (jax.lax.with_sharding_constraint(c, statics.kv_sharding)
+                        for c in (k_cache, v_cache))
+    return hidden, k_cache, v_cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 6))
+def rows_of(statics: StepStatics, x: StepInputs, input_ids: jax.Array) -> jax.Array:
+    """The sampler's rows (spec_verify.sample_rows) of the step's inputs (drafts in place),
+    replicated as the host reads them: a step whose residual is sharded by rows (collective
+    matmul) would have the compiler shard what is read off its tokens too."""
+    return jax.lax.with_sharding_constraint(
+        sample_rows(input_ids, x.md.query_start_loc, x.logits_indices, x.draft_starts,
+                    x.num_drafts, x.token_shift), replicated(statics.kv_sharding))
+
+
+def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
+             v_cache: jax.Array, prev: PrevSamples, inputs: jax.Array) -> Forward:
+    x = read_inputs(layout, prev, inputs, block_size=k_cache.shape[3])
+    model = nnx.merge(statics.graphdef, state)
+    hidden, k_cache, v_cache = run_model(statics, model, x.input_ids, x.md, k_cache, v_cache)
+    logits = model.compute_logits(hidden[x.logits_indices])
+    return Forward(model, hidden, StepOutputs(k_cache, v_cache, logits,
+                                              rows_of(statics, x, x.input_ids)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
 def _step(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cache: jax.Array,
-          v_cache: jax.Array, draft_state: nnx.State | None, draft_kv: DraftKV,
-          prev: PrevSamples, inputs: jax.Array,
-          ) -> tuple[jax.Array, jax.Array, DraftKV, jax.Array, jax.Array]:
-    f = _forward(statics, layout, state, k_cache, v_cache, draft_state, draft_kv, prev, inputs)
-    return (f.k_cache, f.v_cache, f.draft_kv,
-            f.model.compute_logits(f.hidden[f.logits_indices]), f.rows)
+          v_cache: jax.Array, prev: PrevSamples, inputs: jax.Array) -> StepOutputs:
+    """The plain step: inputs -> model -> the sampler's logits and rows."""
+    return _forward(statics, layout, state, k_cache, v_cache, prev, inputs).out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 7))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
 def _step_prompt_logprobs(statics: StepStatics, layout: PackedLayout, num_top: int,
                           state: nnx.State, k_cache: jax.Array, v_cache: jax.Array,
-                          draft_state: nnx.State | None, draft_kv: DraftKV,
                           prev: PrevSamples, inputs: jax.Array, targets: jax.Array,
-                          ) -> tuple[jax.Array, jax.Array, DraftKV, jax.Array, jax.Array,
-                                     TokenLogprobs]:
+                          ) -> tuple[StepOutputs, TokenLogprobs]:
     """`_step`, plus every token row's logprob of `targets` (i32[T], the next prompt token):
     a separate program per token bucket, run only for steps where a row asks."""
-    f = _forward(statics, layout, state, k_cache, v_cache, draft_state, draft_kv, prev, inputs)
-    # The sampler's rows as in `_step` (the same tokens with or without prompt logprobs).
-    logits = f.model.compute_logits(f.hidden[f.logits_indices])            # f32[S, V]
-    return f.k_cache, f.v_cache, f.draft_kv, logits, f.rows, token_logprobs(
-        f.model.compute_logits(f.hidden), targets, num_top)                # over [T, V]
+    f = _forward(statics, layout, state, k_cache, v_cache, prev, inputs)
+    return f.out, token_logprobs(f.model.compute_logits(f.hidden), targets, num_top)  # [T, V]
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

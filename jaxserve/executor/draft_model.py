@@ -4,7 +4,7 @@ dtype and TP rules: heads sharded over the mesh), with its own KV cache
 `[L_d, Hkv_d, NB, BS, D_d]` over the same block ids: same block size, block tables and slot
 mapping, so the scheduler's blocks hold both models' KV.
 
-In the step (device_step._forward):
+In the step (drafter.DraftModelDrafter, as spec_step.py runs it):
 - catch-up, every step: after the target's pass, the draft runs over the very same inputs
   (prompt chunks, decode tokens, drafts in place) and writes its KV at every slot the target
   wrote. Rejected drafts' slots are overwritten later, as the target's are. So wherever the

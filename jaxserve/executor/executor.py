@@ -72,7 +72,7 @@ class Executor:
         """Whether a worker's KV cache or last sampled ids are gone or hold an error (a failed
         device computation poisons its outputs and may have consumed its donated inputs)."""
         for w in self.workers:
-            for array in (w.runner.k_cache, w.runner.v_cache, *(w.runner.draft_kv or ()),
+            for array in (w.runner.k_cache, w.runner.v_cache, *w.runner.drafter_cache,
                           *w.runner.prev):
                 try:
                     if array.is_deleted():

@@ -1,13 +1,13 @@
 """ModelRunner: turns a SchedulerOutput into one device step and returns sampled ids.
 
 A step is two jitted pure functions (executor/device_step.py): the model `(params, kv_caches,
-batch) -> (kv_caches, logits)`, with the KV cache donated (a draft model's weights and cache
-are arguments too), then the sampler `(logits, sampling) -> (sampled, logprobs)`, whose
-sampled ids and accepted-draft counts are the one array the host reads back. The model's
-shapes come only from the bucket lists, so after warm-up it never compiles again; the
-sampler's also depend on the padded token-history widths that penalties need, and compiling a
-new width recompiles only the sampler. The runner counts
-compilations and, in strict mode, raises on a new one.
+batch) -> (kv_caches, logits)`, with the KV cache donated (with speculation, the step of
+executor/spec_step.py, whose drafter's weights and cache are arguments too), then the sampler
+`(logits, sampling) -> (sampled, logprobs)`, whose sampled ids and accepted-draft counts are
+the one array the host reads back. The model's shapes come only from the bucket lists, so
+after warm-up it never compiles again; the sampler's also depend on the padded token-history
+widths that penalties need, and compiling a new width recompiles only the sampler. The runner
+counts compilations and, in strict mode, raises on a new one.
 
 A step may be launched before the previous one's sampled ids reach the host (async
 scheduling): its decode inputs are then read from the previous step's ids on the device, and
@@ -32,11 +32,12 @@ from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, Schedule
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.executor.compiled_dir import LoadedPrograms
 from jaxserve.executor.mesh import replicate, to_host
-from jaxserve.executor.device_step import (DraftKV, PrevSamples, ProgramKey, StepStatics,
-                                           _sample, _step, _step_prompt_logprobs,
-                                           sample_rows_shape, split_model, step_inputs,
-                                           step_key,
-                                           step_statics)
+from jaxserve.executor.device_step import (PrevSamples, ProgramKey, StepOutputs, StepStatics,
+                                           _sample, sample_rows_shape, split_model,
+                                           step_inputs, step_key, step_statics)
+from jaxserve.executor.drafter import DrafterCache, make_drafter
+from jaxserve.executor.spec_step import (SpecStatics, SpecStepOutputs, engine_statics,
+                                         model_step)
 from jaxserve.executor.input_batch import InputBatch, StepArrays
 from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, pad_blocks,
                                          padded_block_ids, scatter_blocks)
@@ -99,14 +100,15 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: Llama, k_cache: jax.Array, v_cache: jax.Array,
                  backend: AttentionBackend, mesh: Mesh, plan: ResolvedPlan,
                  eos_token_ids: tuple[int, ...], draft: Llama | None = None,
-                 draft_kv: DraftKV = None):
-        """`draft`, `draft_kv`: the draft model (speculative `draft_model`) and its caches."""
+                 drafter_cache: DrafterCache = ()):
+        """`draft`: the draft model (speculative `draft_model`); `drafter_cache`: the
+        drafter's zeroed cache (executor/drafter.py)."""
         self.config = config
         self.mesh = mesh
         self.kv_sharding = k_cache.sharding
         self.model = model
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.draft_kv = draft_kv
+        self.drafter_cache = drafter_cache
         self.eos_token_ids = eos_token_ids
         self.plan = plan
         self.max_blocks_per_seq = plan.blocks_per_seq
@@ -117,11 +119,13 @@ class ModelRunner:
         # Module-level jits (_step, _sample): engines with the same model structure and step
         # shapes share compiled executables within a process.
         graphdef, self.params = split_model(model)
-        draft_graphdef, self.draft_params = split_model(draft) if draft else (None, None)
-        self.statics, self.draft_statics = step_statics(
+        draft_graphdef, self.drafter_weights = split_model(draft) if draft else (None, {})
+        # The model's statics (steps without drafts), then each model program's.
+        self.statics, verifying = step_statics(
             config, graphdef, backend, self.kv_sharding,
-            chip_of(mesh.devices.flat[0].device_kind), model.cfg, model.dtype.itemsize,
-            draft_graphdef)
+            chip_of(mesh.devices.flat[0].device_kind), model.cfg, model.dtype.itemsize)
+        self.drafter = make_drafter(config, draft_graphdef)
+        self.program_statics = engine_statics(self.statics, verifying, self.drafter)
         # The last launched step's samples, and per request whose next input one of them is:
         # its first sample row there and its drafts.
         zeros = jax.device_put(np.zeros(plan.max_sample_rows, np.int32),
@@ -198,10 +202,11 @@ class ModelRunner:
         if prompt_plan is not None:
             num_top = self.config.model.max_logprobs
             self._count_shape(("step_prompt_logprobs", *shape, num_top))
-            (self.k_cache, self.v_cache, self.draft_kv, logits, rows,
-             prompt_out) = _step_prompt_logprobs(
-                self._statics(arrays), layout, num_top, *self._weights_and_caches(), prev,
+            statics = self._statics(arrays)
+            out, prompt_out = model_step(statics, prompt_logprobs=True)(
+                statics, layout, num_top, *self._weights_and_caches(), prev,
                 replicate(inputs, self.mesh), replicate(prompt_plan.targets, self.mesh))
+            logits, rows = self._keep(out)
         else:
             key = step_key(arrays, layout)
             if key not in self.executables:
@@ -221,13 +226,22 @@ class ModelRunner:
                                     sampling_inputs, weakref.ref(self.k_cache))
         return out, prompt_out, ids
 
-    def _statics(self, arrays: StepArrays) -> StepStatics:
-        return self.draft_statics if arrays.device_drafts else self.statics
+    def _statics(self, arrays: StepArrays) -> StepStatics | SpecStatics:
+        return self.program_statics[arrays.device_drafts]
 
     def _weights_and_caches(self) -> tuple[Any, ...]:
-        """The step's leading array arguments: the target's, then the draft model's (None
-        without one), each weights then caches (donated)."""
-        return self.params, self.k_cache, self.v_cache, self.draft_params, self.draft_kv
+        """The step's leading array arguments: the target's weights and caches (donated), then
+        with speculation the drafter's weights and cache (donated)."""
+        target = (self.params, self.k_cache, self.v_cache)
+        return target if self.drafter is None else (*target, self.drafter_weights,
+                                                    self.drafter_cache)
+
+    def _keep(self, out: StepOutputs | SpecStepOutputs) -> tuple[jax.Array, jax.Array]:
+        """Hold the caches a step wrote; its (logits, rows) for the sampler."""
+        self.k_cache, self.v_cache = out.k_cache, out.v_cache
+        if isinstance(out, SpecStepOutputs):
+            self.drafter_cache = out.drafter_cache
+        return out.logits, out.rows
 
     def _call_step(self, arrays: StepArrays, key: ProgramKey, prev: PrevSamples,
                    inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -235,9 +249,10 @@ class ModelRunner:
         and shifts i32[3, S])."""
         args = (*self._weights_and_caches(), prev, inputs)
         step = self.executables.get(key)
-        self.k_cache, self.v_cache, self.draft_kv, logits, rows = (
-            _step(self._statics(arrays), key[1], *args) if step is None else step(*args))
-        return logits, rows
+        if step is None:
+            statics = self._statics(arrays)
+            return self._keep(model_step(statics)(statics, key[1], *args))
+        return self._keep(step(*args))
 
     def _call_sampler(self, layout: PackedLayout, logits: jax.Array, prev: PrevSamples,
                       rows: jax.Array, inputs: jax.Array,
@@ -254,8 +269,9 @@ class ModelRunner:
         inputs, layout = step_inputs(arrays)
         key = step_key(arrays, layout)
         inputs = replicate(inputs, self.mesh)
-        hlo = _step.lower(self._statics(arrays), layout, *self._weights_and_caches(), self.prev,
-                          inputs).compile().as_text()
+        statics = self._statics(arrays)
+        hlo = model_step(statics).lower(statics, layout, *self._weights_and_caches(), self.prev,
+                                        inputs).compile().as_text()
         jax.block_until_ready(self._call_step(arrays, key, self.prev, inputs))  # compiles once
         best = float("inf")
         for _ in range(repeats):
@@ -274,7 +290,7 @@ class ModelRunner:
         if last is None or last.k_cache() is not self.k_cache:
             raise RuntimeError("time_last_step: no step was launched since the KV cache was "
                                "last written")
-        jax.block_until_ready((self.k_cache, self.v_cache, self.draft_kv, self.prev))
+        jax.block_until_ready((self.k_cache, self.v_cache, self.drafter_cache, self.prev))
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
@@ -375,8 +391,9 @@ class ModelRunner:
     def compile_step(self, arrays: StepArrays) -> Any:
         """The model step for this bucket compiled (not run): what `jaxserve compile` saves."""
         inputs, layout = step_inputs(arrays)
-        return _step.trace(self._statics(arrays), layout, *self._weights_and_caches(),
-                           self.prev, inputs).lower().compile()
+        statics = self._statics(arrays)
+        return model_step(statics).trace(statics, layout, *self._weights_and_caches(),
+                                         self.prev, inputs).lower().compile()
 
     def compile_sampler(self, sampling: SamplingMetadata, logits: jax.ShapeDtypeStruct) -> Any:
         inputs, layout = pack(sampling)

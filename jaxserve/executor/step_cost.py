@@ -166,9 +166,10 @@ class _Walker:
         if op == "parameter":
             if comp.name == self.module.entry:
                 meta = instr.attribute("metadata") or ""
-                if "cache" in meta or "draft_kv" in meta:
+                if "cache" in meta:
                     return "kv"
-                return "weights" if "state[" in meta else "activations"
+                return ("weights" if "state[" in meta or "drafter_weights[" in meta
+                        else "activations")
             caller_comp, caller = self.callers[comp.name]
             if caller.opcode == "fusion":
                 return self.origin(caller_comp, caller.operands[int(instr.operands[0])])

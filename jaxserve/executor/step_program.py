@@ -1,12 +1,12 @@
-"""The engine's model step as an abstract program: weights, KV caches (the drafter's too: the
-draft model's, or n-gram's token cache) and inputs as sharded ShapeDtypeStructs, lowered
-through the same jitted `_step` the model runner calls. The compile check builds it for
-targets without chips; the worker compiles its largest step once to learn the temporaries the
-KV pool must leave room for."""
+"""The engine's model step as an abstract program: weights, KV caches (and with speculation the
+drafter's weights and cache: the draft model's KV, or n-gram's token cache) and inputs as
+sharded ShapeDtypeStructs, lowered through the same jitted step the model runner calls. The
+compile check builds it for targets without chips; the worker compiles its largest step once
+to learn the temporaries the KV pool must leave room for."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import jax
@@ -18,10 +18,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxserve.config import EngineConfig
 from jaxserve.executor.sharding import kv_cache_sharding
 from jaxserve.executor.input_batch import StepArrays
-from jaxserve.executor.device_step import (PrevSamples, StepStatics, _sample, _step,
+from jaxserve.executor.device_step import (PrevSamples, StepStatics, _sample,
                                            sample_rows_shape, split_model, step_inputs,
                                            step_statics)
-from jaxserve.executor.step_shapes import step_variants
+from jaxserve.executor.drafter import make_drafter
+from jaxserve.executor.spec_step import SpecStatics, engine_statics, model_step
+from jaxserve.executor.step_shapes import ngram_lookup, step_variants
 from jaxserve.executor.packing import pack
 from jaxserve.executor.resolved import ResolvedPlan
 from jaxserve.executor.targets import chip_of
@@ -44,19 +46,25 @@ class ModelParts(NamedTuple):
 
 @dataclass(frozen=True)
 class StepProgram:
-    """Everything `_step` needs, abstract, for one engine configuration on one mesh."""
-    statics: StepStatics
+    """Everything the model step needs, abstract, for one engine configuration on one mesh."""
+    statics: tuple[StepStatics | SpecStatics, ...]  # spec_step.engine_statics
     state: Any
     kv: jax.ShapeDtypeStruct
     prev: PrevSamples  # of ShapeDtypeStructs
     max_blocks_per_seq: int
-    draft_statics: StepStatics | None = None  # the drafting program's (drafts on the device)
-    draft_state: Any = None  # the draft model's weights (speculative draft_model)
-    draft_kv: tuple[jax.ShapeDtypeStruct, ...] | None = None  # the drafter's caches (DraftKV)
+    drafter_weights: Any = None  # with speculation: the draft model's weights ({}: none)
+    drafter_cache: tuple[jax.ShapeDtypeStruct, ...] = ()  # with speculation: the drafter's
 
     @property
     def mesh(self) -> Any:
-        return self.statics.kv_sharding.mesh
+        return self.kv.sharding.mesh
+
+    @property
+    def arrays(self) -> tuple[Any, ...]:
+        """The step's leading array arguments (as the model runner's)."""
+        target = (self.state, self.kv, self.kv)
+        return target if self.drafter_weights is None else (*target, self.drafter_weights,
+                                                            self.drafter_cache)
 
     def compile(self, num_tokens: int, num_reqs: int, num_sample_rows: int | None = None,
                 device_drafts: bool = False) -> Any:
@@ -65,11 +73,10 @@ class StepProgram:
 
     def compile_step(self, arrays: StepArrays) -> Any:
         inputs, layout = step_inputs(arrays)
-        statics = self.draft_statics if arrays.device_drafts else self.statics
+        statics = self.statics[arrays.device_drafts]
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # Pallas TPU lowering
-            lowered = _step.trace(statics, layout, self.state, self.kv, self.kv,
-                                  self.draft_state, self.draft_kv, self.prev,
-                                  self.replicated(inputs)).lower()
+            lowered = model_step(statics).trace(statics, layout, *self.arrays, self.prev,
+                                                self.replicated(inputs)).lower()
         return lowered.compile()
 
     def compile_sampler(self, sampling: SamplingMetadata, logits: jax.ShapeDtypeStruct) -> Any:
@@ -111,17 +118,19 @@ def step_program(target: ModelParts, config: EngineConfig, backend: AttentionBac
                                 sharding=NamedSharding(mesh, P()))
     chip = chip_of(mesh.devices.flat[0].device_kind)
     itemsize = jax.tree.leaves(target.state)[0].dtype.itemsize
-    plain, drafting = step_statics(config, target.graphdef, backend, kv_sharding, chip,
-                                   target.cfg, itemsize,
-                                   None if draft is None else draft.graphdef)
-    draft_kv = None
+    plain, verifying = step_statics(config, target.graphdef, backend, kv_sharding, chip,
+                                    target.cfg, itemsize)
+    drafter = make_drafter(config, None if draft is None else draft.graphdef)
+    program = StepProgram(engine_statics(plain, verifying, drafter), _abstract(target.state),
+                          _kv(target, num_blocks, bs, kv_sharding), PrevSamples(rows, rows),
+                          plan.blocks_per_seq)
+    if drafter is None:
+        return program
     if draft is not None:
-        draft_kv = (_kv(draft, num_blocks, bs, kv_sharding),) * 2
-    elif plain.ngram is not None:
-        draft_kv = (token_cache_shape(num_blocks, bs, mesh),)
-    return StepProgram(plain, _abstract(target.state), _kv(target, num_blocks, bs, kv_sharding),
-                       PrevSamples(rows, rows), plan.blocks_per_seq, drafting,
-                       None if draft is None else _abstract(draft.state), draft_kv)
+        return replace(program, drafter_weights=_abstract(draft.state),
+                       drafter_cache=(_kv(draft, num_blocks, bs, kv_sharding),) * 2)
+    tokens = () if ngram_lookup(config) is None else (token_cache_shape(num_blocks, bs, mesh),)
+    return replace(program, drafter_weights={}, drafter_cache=tokens)
 
 
 def token_cache_shape(num_blocks: int, block_size: int, mesh: Any) -> jax.ShapeDtypeStruct:
@@ -140,8 +149,7 @@ def largest_step_bytes(target: ModelParts, config: EngineConfig, backend: Attent
     compiled = program.compile(T, R, *step_variants(T, R, plan.num_speculative_tokens)[-1])
     mem = compiled.memory_analysis()
     held = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-               for x in jax.tree.leaves((program.state, program.kv, program.kv,
-                                         program.draft_state, program.draft_kv)))
+               for x in jax.tree.leaves(program.arrays))
     return int(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
                + mem.temp_size_in_bytes) - held
 

@@ -59,16 +59,6 @@ def ngram_lookup(config: EngineConfig) -> tuple[int, int] | None:
     return spec.prompt_lookup_min, spec.prompt_lookup_max
 
 
-def device_draft_statics(config: EngineConfig) -> tuple[int, int, tuple[int, int] | None]:
-    """(draft_layers, max_drafts, ngram) of the drafting program's StepStatics: layer skip
-    drafts from the target's first draft_layers layers, the draft model and n-gram lookup with
-    draft_layers 0; ngram: `ngram_lookup`; (0, 0, None): no speculation."""
-    spec = config.scheduler.speculative_config
-    if spec is None:
-        return 0, 0, None
-    return spec.num_layers, spec.num_speculative_tokens, ngram_lookup(config)
-
-
 def step_variants(T: int, R: int, num_drafts: int) -> list[tuple[int, bool]]:
     """The (sample rows S, drafting) variants a (T, R) step is compiled for: S = R without
     drafts, and with speculation the drafting program (a separate one, so steps without drafts

@@ -161,11 +161,11 @@ class Worker:
         self.plan = self._sized_plan(backend)
         self.kv_sharding = kv_cache_sharding(self.mesh)
         executables = self._check_compiled(programs)
-        k_cache, v_cache, *draft_kv = (executables.pop(KV_INIT, None) or self.kv_init)()
-        place_zeroed_on_huge_pages((k_cache, v_cache, *draft_kv))  # CPU caches (huge_pages.py)
+        k_cache, v_cache, *drafter_cache = (executables.pop(KV_INIT, None) or self.kv_init)()
+        place_zeroed_on_huge_pages((k_cache, v_cache, *drafter_cache))  # CPU (huge_pages.py)
         self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend, self.mesh,
                                   self.plan, cfg.eos_token_ids, self.draft,
-                                  tuple(draft_kv) or None)
+                                  tuple(drafter_cache))
         self.runner.executables = executables
 
     def _validate_backend(self, backend: AttentionBackend, platform: str,
