@@ -16,7 +16,7 @@ from engine_helpers import SMALL_ENGINE
 from jaxserve import LLM, SamplingParams
 
 PACKAGE = Path(jaxserve.__file__).resolve().parent
-MAX_FILES = 27
+MAX_FILES = 25
 GOAL = 20
 
 

@@ -97,13 +97,18 @@ class InputBatch:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.requests: dict[str, CachedRequestState] = {}
+        # Those that ask for prompt logprobs: no other step runs that feature's code.
+        self.prompt_logprobs_ids: set[str] = set()
 
     def update(self, sched: SchedulerOutput) -> None:
         """Apply the scheduler's diff: drop finished and preempted requests, add new ones,
         extend block tables of the others."""
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             self.requests.pop(req_id, None)
+            self.prompt_logprobs_ids.discard(req_id)
         for new in sched.scheduled_new_reqs:
+            if new.sampling_params.prompt_logprobs is not None:
+                self.prompt_logprobs_ids.add(new.req_id)
             table = np.zeros(self.max_blocks_per_seq, np.int32)
             table[:len(new.block_ids)] = new.block_ids
             tokens = list(new.token_ids)

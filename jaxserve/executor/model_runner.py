@@ -126,6 +126,7 @@ class ModelRunner:
             chip_of(mesh.devices.flat[0].device_kind), model.cfg, model.dtype.itemsize)
         self.drafter = make_drafter(config, draft_graphdef)
         self.program_statics = engine_statics(self.statics, verifying, self.drafter)
+        self.step_fns = tuple(model_step(statics) for statics in self.program_statics)
         # The last launched step's samples, and per request whose next input one of them is:
         # its first sample row there and its drafts.
         zeros = jax.device_put(np.zeros(plan.max_sample_rows, np.int32),
@@ -162,7 +163,7 @@ class ModelRunner:
                 token_bitmask=step_bitmask(sched, arrays, num_rows))
             prompt_plan = plan_prompt_logprobs(
                 arrays, [self.batch.requests[r] for r in arrays.req_ids],
-                self.config.model.max_logprobs)
+                self.config.model.max_logprobs) if self.batch.prompt_logprobs_ids else None
         with self.timings.phase("dispatch"):
             out, prompt_out, ids = self._run(arrays, sampling, prompt_plan)
             pending = PendingStep(arrays, rows, out, ids, prompt_plan, prompt_out)
@@ -179,7 +180,10 @@ class ModelRunner:
         with self.timings.phase("device"):
             sampled, accepted = to_host(ids)[:, :len(rows)]  # the step's one device -> host wait
         with self.timings.phase("update"):
-            tokens = accepted_tokens(sampled, accepted, arrays.sample_starts)
+            if self.drafter is None:  # one sample row a request
+                tokens = [[t] for t in sampled[:len(arrays.req_ids)].tolist()]
+            else:
+                tokens = accepted_tokens(sampled, accepted, arrays.sample_starts)
             self.batch.append_sampled(arrays, tokens)
             if prompt_out is not None:
                 record_prompt_logprobs(prompt_plan, *(to_host(x) for x in (
@@ -190,7 +194,8 @@ class ModelRunner:
         return ModelRunnerOutput(
             arrays.req_ids, tokens,
             self._logprobs(out, rows, arrays.sample_starts, tokens) if wants_logprobs else None,
-            finished_prompt_logprobs(arrays, self.batch.requests))
+            finished_prompt_logprobs(arrays, self.batch.requests)
+            if self.batch.prompt_logprobs_ids else {})
 
     def _run(self, arrays: StepArrays, sampling: SamplingMetadata,
              prompt_plan: PromptLogprobsPlan | None = None,
@@ -251,7 +256,7 @@ class ModelRunner:
         step = self.executables.get(key)
         if step is None:
             statics = self._statics(arrays)
-            return self._keep(model_step(statics)(statics, key[1], *args))
+            return self._keep(self.step_fns[arrays.device_drafts](statics, key[1], *args))
         return self._keep(step(*args))
 
     def _call_sampler(self, layout: PackedLayout, logits: jax.Array, prev: PrevSamples,
