@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import os
 import pickle
+import queue
 import threading
 import weakref
 from concurrent.futures import Future
@@ -34,12 +35,12 @@ from jaxserve.models.llama_config import LlamaConfig
 
 MANIFEST = "manifest.json"
 KV_INIT = ("kv_init", None)  # the program that allocates the zeroed KV pool
-FORMAT = 7  # the programs' arguments (2: the last step's samples with their accepted drafts;
+FORMAT = 8  # the programs' arguments (2: the last step's samples with their accepted drafts;
 # 3: the LM head vocab-major, [V, D]; 4: the sampler returns the host's ids, the model step no
 # drafts, and a tied head on the native CPU path is packed; 5: the TPU kernel writes the KV
 # cache, and the step's sample rows come back replicated; 6: the `cpu` backend's weights as
 # loaded, no longer fused and packed for the deleted native matmul; 7: the engine's resolved
-# plan in the fingerprint; the plain step takes no draft arguments, a speculative step its
+# plan in the fingerprint; 8: the plain step takes no draft arguments, a speculative step its
 # drafter's weights and state, and both return named outputs)
 # Engine arguments that change a program's shapes, sharding or code.
 SHAPE_ARGS = ("dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -140,6 +141,7 @@ class LoadedPrograms:
         self._loaded: dict[Any, Any] = {}
         self._queued: dict[Any, Future[Any]] = {}
         self._loader: threading.Thread | None = None
+        self._todo: queue.SimpleQueue[tuple[Any, Future[Any]] | None] = queue.SimpleQueue()
 
     def __contains__(self, key: Any) -> bool:
         return key in self._payloads
@@ -158,20 +160,25 @@ class LoadedPrograms:
 
     def load_in_background(self, keys: list[Any]) -> None:
         """Deserialise these programs one after another on a background thread (deserialising
-        lets go of the GIL), so the engine can read its weights meanwhile. A daemon thread,
-        so a process can exit with programs still queued; the exit waits for the one being
-        deserialised (`stop_loading`), as a thread killed inside XLA aborts the process."""
-        self._queued = {key: Future() for key in dict.fromkeys(keys) if key in self._payloads}
-        self._loader = threading.Thread(target=self._load_queued, daemon=True,
-                                        args=(list(self._queued.items()),),
-                                        name="jaxserve-programs")
-        self._loader.start()
-        atexit.register(_stop_loading, weakref.ref(self))
+        lets go of the GIL), so the engine can read its weights meanwhile; a later call queues
+        more behind them. A daemon thread, so a process can exit with programs still queued;
+        the exit waits for the one being deserialised (`stop_loading`), as a thread killed
+        inside XLA aborts the process."""
+        for key in dict.fromkeys(keys):
+            if key in self._payloads and key not in self._loaded and key not in self._queued:
+                self._queued[key] = future = Future()
+                self._todo.put((key, future))
+        if self._loader is None:
+            self._loader = threading.Thread(target=self._load_queued, daemon=True,
+                                            name="jaxserve-programs")
+            self._loader.start()
+            atexit.register(_stop_loading, weakref.ref(self))
 
-    def _load_queued(self, queued: list[tuple[Any, Future[Any]]]) -> None:
+    def _load_queued(self) -> None:
         # Niced: the weights being read and the engine's first steps come first.
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        for key, future in queued:
+        while (item := self._todo.get()) is not None:
+            key, future = item
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(self._deserialize(key))
@@ -183,8 +190,15 @@ class LoadedPrograms:
         is deserialising."""
         for future in self._queued.values():
             future.cancel()
-        if self._loader is not None:
+        if self._loader is not None and self._loader.is_alive():
+            self._todo.put(None)
             self._loader.join()
+
+    def loading_or_loaded(self, key: Any) -> bool:
+        """Whether `key` is ready or being deserialised now: `get` waits for no whole load."""
+        queued = self._queued.get(key)
+        return key in self._loaded or queued is not None and (
+            queued.running() or queued.done() and not queued.cancelled())
 
     def get(self, key: Any, default: Any = None) -> Any:
         if key not in self._payloads:

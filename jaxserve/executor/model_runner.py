@@ -150,8 +150,9 @@ class ModelRunner:
             self.batch.update(sched)
             if sched.is_empty:
                 return None
-            arrays = self.batch.prepare(sched, self.token_buckets, self.request_buckets,
-                                        self.running_rows, self.num_drafts)
+            arrays = self._bucket_with_a_program(sched, self.batch.prepare(
+                sched, self.token_buckets, self.request_buckets, self.running_rows,
+                self.num_drafts))
             rows = self.batch.rows(arrays)
             # One logprobs width for every step that wants any: one shape.
             wants_logprobs = any(row.params.logprobs is not None for row in rows)
@@ -172,6 +173,24 @@ class ModelRunner:
                              for i, req_id in enumerate(arrays.req_ids)
                              if arrays.completes_sequence[i]}
         return pending
+
+    def _bucket_with_a_program(self, sched: SchedulerOutput, arrays: StepArrays) -> StepArrays:
+        """The step in a larger token bucket while a compiled directory's programs load, if its
+        own program is not loaded and a larger one is: padding a step costs a fraction of the
+        second that deserialising a many-layer program takes (program_order.py preloads one
+        prefill bucket for a start's first prompts). Its own program then loads behind."""
+        programs = self.executables
+        key = step_key(arrays)
+        if not isinstance(programs, LoadedPrograms) or programs.loading_or_loaded(key):
+            return arrays
+        for bucket in self.token_buckets:
+            if bucket > len(arrays.input_ids):
+                padded = self.batch.prepare(sched, [bucket], self.request_buckets,
+                                            self.running_rows, self.num_drafts)
+                if programs.loading_or_loaded(step_key(padded)):
+                    programs.load_in_background([key])
+                    return padded
+        return arrays
 
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
         if pending is None:

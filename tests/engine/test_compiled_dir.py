@@ -26,7 +26,7 @@ from jaxserve.executor.program_order import first_programs
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 ENGINE = dict(max_model_len=128, num_kv_blocks=64, block_size=16, max_num_seqs=4,
-              max_num_batched_tokens=32, token_buckets=[16, 32], request_buckets=[4],
+              max_num_batched_tokens=32, token_buckets=[8, 16, 32], request_buckets=[4],
               compilation_cache_dir="")
 SPEC_ENGINE = ENGINE | {"token_buckets": [32]}  # 2 step programs: a draft doubles their cost
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -106,11 +106,11 @@ def test_an_engine_from_a_compiled_dir_compiles_nothing_and_gives_the_same_token
     assert len(sampled.outputs[0].logprobs) == 4
 
 
-def test_the_decode_program_loads_in_the_background_while_the_weights_are_read(
-        built, monkeypatch):
-    """A start from a directory deserialises the KV pool's program, the one-token decode
-    step's and its sampler's on a background thread; a request's prefill program loads when
-    the request comes. Tokens: HF's."""
+def test_a_start_loads_a_prefill_and_the_decode_program_in_the_background(built, monkeypatch):
+    """A start from a directory deserialises the KV pool's program, one prefill bucket's step,
+    the one-token decode step's and their samplers' on a background thread. A prompt whose own
+    bucket is not loaded yet runs padded in the loaded prefill bucket, so no program loads in
+    its way, and its own bucket's loads behind it. Tokens: HF's; nothing compiles."""
     path, out = built
     loads: list[tuple[str, object]] = []
     deserialize = compiled_dir.LoadedPrograms._deserialize
@@ -120,24 +120,31 @@ def test_the_decode_program_loads_in_the_background_while_the_weights_are_read(
         loads.append((threading.current_thread().name, key))
         return program
 
+    def wait_for(key: object) -> None:
+        deadline = time.monotonic() + 120
+        while ("jaxserve-programs", key) not in loads:
+            assert time.monotonic() < deadline, f"background loads: {loads}"
+            time.sleep(0.05)
+
     monkeypatch.setattr(compiled_dir.LoadedPrograms, "_deserialize", recorded)
     llm = LLM(str(path), compiled_dir=str(out), precompile=True, strict_compile=True,
               **ENGINE)
     runner = llm.engine.core.executor.worker.runner
-    # buckets of 16 and 32 tokens: a decode step takes the first, a 20-token prompt the second
-    decode, prefill = (step_key(StepArrays.empty(T, 4, runner.max_blocks_per_seq))
-                       for T in (16, 32))
+    # buckets of 8, 16 and 32 tokens: a decode step takes the first, a 12-token prompt the
+    # second, and the bucket nearest FIRST_PROMPT_TOKENS is the largest
+    decode, middle, prefill = (step_key(StepArrays.empty(T, 4, runner.max_blocks_per_seq))
+                               for T in (8, 16, 32))
     first = first_programs(runner.warm_up_programs())
-    assert first[:2] == [compiled_dir.KV_INIT, decode]
-    deadline = time.monotonic() + 120
-    while ("jaxserve-programs", first[-1]) not in loads:
-        assert time.monotonic() < deadline, f"background loads: {loads}"
-        time.sleep(0.05)
-    prompt = list(range(5, 25))
+    assert first[:3] == [compiled_dir.KV_INIT, prefill, decode]
+    wait_for(first[-1])
+    prompt = list(range(5, 17))
+    want = hf_greedy(path, [prompt], 8)[0]
     got = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
-    assert got.outputs[0].token_ids == hf_greedy(path, [prompt], 8)[0]
-    assert ("jaxserve-programs", decode) in loads and ("MainThread", prefill) in loads
-    assert ("MainThread", decode) not in loads and llm.stats().num_compilations == 0
+    assert got.outputs[0].token_ids == want
+    assert [key for thread, key in loads if thread == "MainThread" and key[0] == "step"] == []
+    wait_for(middle)
+    again = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want and llm.stats().num_compilations == 0
 
 
 def run_speculative_from_dir(path: Path, spec: dict, prompts: list[list[int]], out: Path,
