@@ -30,7 +30,8 @@ EXECUTOR = {
     "runtime": ("executor", "worker", "model_runner", "compiled_dir", "program_order"),
     # The jitted device programs, their inputs' shapes and the step arrays they take.
     "programs": ("device_step", "step_program", "spec_verify", "device_drafts", "draft_model",
-                 "prompt_logprobs", "packing", "step_shapes", "input_batch"),
+                 "prompt_logprobs", "packing", "step_shapes", "input_batch", "drafter",
+                 "spec_step"),
     # Where arrays live: the mesh, sharding, the KV pool, memory, and the facts fixed at start.
     "placement": ("mesh", "sharding", "kv_blocks", "huge_pages", "device_memory",
                   "host_memory", "targets", "resolved"),
