@@ -23,13 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (
-    cpu_native,
-    cpu_paged_attention,
+from jaxserve.kernels import (
     ragged_paged_attention_gpu,
     ragged_paged_attention_tpu,
     ragged_paged_attention_xla,
 )
+from jaxserve.kernels.cpu import native as cpu_native, paged_attention as cpu_paged_attention
 
 # (atol, rtol) against the reference, as tests/kernels/test_ragged_paged_attention.py
 TOLERANCE = {"float32": (1e-5, 0.0), "bfloat16": (1.6e-2, 1e-2)}

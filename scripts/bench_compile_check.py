@@ -48,7 +48,7 @@ def run_preset(name: str, num_layers: int | None, out_dir: Path = RESULTS_DIR / 
         return None, 0.0, f"{TARGETS[name]} absent"
     out = out_dir / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [str(python), "-m", "jaxserve.entrypoints.cli", "compile-check", str(LLAMA3_8B),
+    cmd = [str(python), "-m", "jaxserve.entrypoints.cli.main", "compile-check", str(LLAMA3_8B),
            "--target", TARGETS[name], "--config",
            str(REPO_ROOT / "configs" / "engine" / f"{name}.yaml"), "--json", str(out)]
     if num_layers:

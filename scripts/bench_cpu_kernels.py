@@ -1,5 +1,5 @@
 """The native CPU kernels against XLA:CPU's own, side by side in one run: (a) the dense layers'
-matmul (pallas_kernels/cpu_matmul.cc over its packed weights) against `jnp.dot` compiled by
+matmul (jaxserve/kernels/cpu_matmul.cc over its packed weights) against `jnp.dot` compiled by
 XLA:CPU as it comes (its YNNPACK dot fusion), with its own dot (YNNPACK off) and with oneDNN;
 (b) the `cpu` backend's attention kernel against the `xla` backend's; (c) whole engines, one per
 backend. Each timing is the best of a few rounds, the sides taking turns. Writes
@@ -29,11 +29,15 @@ from bench_attention import Shape, make_inputs  # noqa: E402
 from bench_common import (Workload, dummy_hf_checkpoint, make_engine, make_workload,  # noqa: E402
                           markdown_table, run_engine, write_result)
 
-from pallas_kernels import cpu_native, cpu_paged_attention, xla_attention  # noqa: E402
+from jaxserve.kernels.cpu import (  # noqa: E402
+    native as cpu_native,
+    paged_attention as cpu_paged_attention,
+)
+from jaxserve.kernels.xla import attention as xla_attention  # noqa: E402
 
 # Deleted once XLA's dot measured faster (issue 48); the other parts still run. Asked of the
 # built library's targets, not of an import: an editable install's path can reach another tree.
-cpu_matmul = (importlib.import_module("pallas_kernels.cpu_matmul")
+cpu_matmul = (importlib.import_module("jaxserve.kernels.cpu_matmul")
               if "jaxserve_cpu_matmul" in cpu_native.TARGETS else None)
 
 DECODE_ROWS = (1, 4, 16)

@@ -118,7 +118,7 @@ def main() -> None:
             "whole table (times and rates each at their best); engine step "
             "= the whole LLMEngine.step (host work included). A percentage is the share of the "
             "bound reached (100% = at the bound). `cpu`: attention in the native kernel "
-            "(pallas_kernels/cpu_paged_attention.cc), dense layers in XLA; `xla`: all in XLA.")
+            "(jaxserve/kernels/cpu/paged_attention.cc), dense layers in XLA; `xla`: all in XLA.")
     write_result("bench_decode_roofline", "Decode step against the memory-bandwidth bound", body)
 
 

@@ -75,7 +75,7 @@ def free_port() -> int:
 
 def start_server(model_path: str, name: str, server_args: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", model_path,
+    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli.main", "serve", model_path,
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
            "--uvicorn-log-level", "warning", *shlex.split(server_args)]
     print("starting:", " ".join(cmd), file=sys.stderr)
@@ -101,7 +101,7 @@ def profile_host(model_path: str, server_args: str, num: int, input_len: int, ou
     times itself (EngineStats.step_seconds: schedule, prep, dispatch, device, update, and
     output = detokenise, stop strings, delta outputs)."""
     from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.entrypoints.cli_args import add_engine_args, engine_kwargs
+    from jaxserve.entrypoints.cli.args import add_engine_args, engine_kwargs
     from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
     parser = argparse.ArgumentParser()

@@ -76,9 +76,9 @@ def cpu_rows(repeats: int, names: list[str]) -> list[list[object]]:
         out = Path(tempfile.mkdtemp(prefix="jaxserve-compiled-"))
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_args.items()]
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli", "compile", str(model),
-                        "--out", str(out), "--compilation-cache-dir", "", *flags], cwd=REPO_ROOT,
-                       check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli.main", "compile",
+                        str(model), "--out", str(out), "--compilation-cache-dir", "", *flags],
+                       cwd=REPO_ROOT, check=True, capture_output=True)
         build = time.perf_counter() - start
         cold, warm, same = [], [], True
         for _ in range(repeats):  # alternate, so both see the same machine load
@@ -98,7 +98,7 @@ def deviceless(cmd: list[str], platform: str) -> float:
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
                ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # libtpu locks itself to one process
     start = time.perf_counter()
-    subprocess.run([str(python), "-m", "jaxserve.entrypoints.cli", *cmd], cwd=REPO_ROOT,
+    subprocess.run([str(python), "-m", "jaxserve.entrypoints.cli.main", *cmd], cwd=REPO_ROOT,
                    env=env, check=True, capture_output=True)
     return time.perf_counter() - start
 

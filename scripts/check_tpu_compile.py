@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pallas_kernels.ragged_paged_attention_tpu import write_and_attend
+from jaxserve.kernels.tpu.ragged_paged_attention import write_and_attend
 
 
 @dataclasses.dataclass(frozen=True)

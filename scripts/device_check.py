@@ -33,11 +33,11 @@ from pathlib import Path
 import jax
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.compilation import aot
 from jaxserve.config import EngineConfig
 from jaxserve.default_model import default_model_path
-from jaxserve.executor import aot
-from jaxserve.executor.targets import resolve_target
 from jaxserve.models.hf_loader import read_hf_config
+from jaxserve.placement.targets import resolve_target
 
 LLAMA3_8B = Path(__file__).resolve().parents[1] / "configs" / "models" / "llama-3-8b"
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
@@ -51,12 +51,12 @@ def time_buckets(preset: Path, layers: int | None, buckets: str | None, num_kv_b
     """The real step's best time per judged batch beside the cost model's and the floor."""
     import yaml
 
-    from jaxserve.executor import hlo_text
-    from jaxserve.executor.compile_check import device_model_config
-    from jaxserve.executor.sharding import padded_vocab_size
-    from jaxserve.executor.step_cost import step_cost
-    from jaxserve.executor.step_floor import bucket_scenarios, scenario_step, step_floor
-    from jaxserve.executor.targets import chip_of
+    from jaxserve.compilation import hlo_text
+    from jaxserve.compilation.compile_check import device_model_config
+    from jaxserve.compilation.step_cost import step_cost
+    from jaxserve.compilation.step_floor import bucket_scenarios, scenario_step, step_floor
+    from jaxserve.placement.sharding import padded_vocab_size
+    from jaxserve.placement.targets import chip_of
 
     model = Path(tempfile.mkdtemp()) / "llama-3-8b"  # the config alone: random weights
     model.mkdir()

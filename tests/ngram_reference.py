@@ -1,5 +1,5 @@
 """N-gram (prompt lookup) drafts on the host, one sequence at a time: the reference the engine's
-device proposer (executor/device_drafts.py) is tested against. The tokens that followed the
+device proposer (programs/device_drafts.py) is tested against. The tokens that followed the
 first match of the sequence's own suffix, tried from the longest suffix down (vLLM's proposer
 picks the longest suffix and, among its matches, the first).
 

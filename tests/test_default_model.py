@@ -23,8 +23,8 @@ import pytest
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.layers.attention import AttentionMetadata, get_attention_backend
 from jaxserve.default_model import DEFAULT_MODEL_DIR, default_model_path
+from jaxserve.layers.attention import AttentionMetadata, get_attention_backend
 from jaxserve.models.llama import Llama, init_kv_cache
 from jaxserve.models.loader import load_model
 
@@ -178,7 +178,7 @@ def test_the_default_model_chats_through_its_template_as_transformers_renders_it
 
 
 def test_generate_cli_prints_docstring_style_text(llm, xla_cache, capsys):
-    from jaxserve.entrypoints.cli import main
+    from jaxserve.entrypoints.cli.main import main
 
     engine_flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
                     for k, v in ENGINE.items()]

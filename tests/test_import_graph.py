@@ -1,6 +1,6 @@
 """Layers import downward only, nothing imports in a loop, and the core never imports jax.
 
-Units are jaxserve's subpackages, its top-level modules and `pallas_kernels`. Every import the
+Units are jaxserve's subpackages and its top-level modules. Every import the
 source makes is an edge: at the top of a module, inside a function, and under TYPE_CHECKING
 alike (a type-only import is still a dependency between modules). An edge between two units
 must follow LAYERS, and the module graph itself has no cycle."""
@@ -16,27 +16,26 @@ ROOT = Path(__file__).resolve().parent.parent
 # own in this DAG (every layer below it), never one above or beside it.
 LAYERS: dict[str, tuple[str, ...]] = {
     "jaxserve": ("jaxserve.entrypoints",),  # the package's lazy exports
-    "jaxserve.entrypoints": ("jaxserve.engine",),
-    "jaxserve.engine": ("jaxserve.executor", "jaxserve.core", "jaxserve.inputs",
+    "jaxserve.entrypoints": ("jaxserve.engine", "jaxserve.compilation"),
+    "jaxserve.engine": ("jaxserve.runtime", "jaxserve.core", "jaxserve.inputs",
                         "jaxserve.outputs"),
-    "jaxserve.executor": ("jaxserve.models", "jaxserve.core"),
+    "jaxserve.compilation": ("jaxserve.runtime",),  # AOT builds through a worker
+    "jaxserve.runtime": ("jaxserve.programs", "jaxserve.core"),
+    "jaxserve.programs": ("jaxserve.placement", "jaxserve.core"),
+    "jaxserve.placement": ("jaxserve.models",),
     "jaxserve.models": ("jaxserve.layers", "jaxserve.config"),
-    "jaxserve.layers": ("pallas_kernels", "jaxserve.sampling_params"),
-    "pallas_kernels": (),
+    "jaxserve.layers": ("jaxserve.kernels", "jaxserve.sampling_params"),
+    "jaxserve.kernels": (),
     # The scheduler and the KV-cache bookkeeping: pure Python and numpy, beside the device code.
     "jaxserve.core": ("jaxserve.config", "jaxserve.sampling_params"),
-    "jaxserve.config": ("jaxserve.default_model", "jaxserve.disaggregation_config",
-                        "jaxserve.speculative_config", "jaxserve.vllm_args"),
+    "jaxserve.config": ("jaxserve.default_model",),
     "jaxserve.default_model": (),
-    "jaxserve.disaggregation_config": (),
-    "jaxserve.speculative_config": (),
-    "jaxserve.vllm_args": (),
     "jaxserve.sampling_params": (),
     "jaxserve.inputs": (),
     "jaxserve.outputs": (),
 }
-DEVICE_UNITS = {"jaxserve.models", "jaxserve.layers", "jaxserve.executor", "jaxserve.engine",
-                "pallas_kernels"}
+DEVICE_UNITS = {"jaxserve.compilation", "jaxserve.engine", "jaxserve.kernels", "jaxserve.layers",
+                "jaxserve.models", "jaxserve.placement", "jaxserve.programs", "jaxserve.runtime"}
 JAX_PACKAGES = {"jax", "jaxlib", "flax"}
 
 
@@ -47,8 +46,6 @@ def module_name(path: Path) -> str:
 
 def unit_of(module: str) -> str:
     parts = module.split(".")
-    if parts[0] == "pallas_kernels":
-        return "pallas_kernels"
     return ".".join(parts[:2]) if len(parts) > 1 else parts[0]
 
 
@@ -71,11 +68,11 @@ def imported_names(path: Path, package: str = "") -> set[str]:
 def imports_of(path: Path, package: str = "") -> set[str]:
     """The project modules among them."""
     return {m for m in imported_names(path, package)
-            if m.split(".")[0] in ("jaxserve", "pallas_kernels")}
+            if m.split(".")[0] == "jaxserve"}
 
 
 def project_files() -> dict[str, Path]:
-    files = sorted([*ROOT.glob("jaxserve/**/*.py"), *ROOT.glob("pallas_kernels/**/*.py")])
+    files = sorted(ROOT.glob("jaxserve/**/*.py"))
     return {module_name(f): f for f in files}
 
 

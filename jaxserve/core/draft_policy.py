@@ -10,16 +10,16 @@ with drafts (the fixed cost of a step; on TPU/GPU the weights' reads), so a miss
 and a skipped step could have been a hit (stories260K's retelling, batch 1, n-gram drafts:
 1.35x the tokens/s of no speculation with the backoff, 1.65x without, in one run each).
 
-Drafts are proposed by the step on the device (executor/device_drafts.py): the scheduler only
+Drafts are proposed by the step on the device (programs/device_drafts.py): the scheduler only
 gives a request its draft slots, -1 each. So a step scheduled while the one before it still
 runs (async scheduling) drafts from the tokens that step really accepted.
 """
 
 from __future__ import annotations
 
+from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.core.request import Request
 from jaxserve.core.scheduler_output import SpecDecodingStats
-from jaxserve.speculative_config import SpeculativeConfig
 
 # Steps. Short: where first drafts are accepted about half the time, misses come in runs and a
 # long backoff skips the hits after them (stories260K's retelling, drafts then made on the host:

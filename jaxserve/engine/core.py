@@ -9,8 +9,8 @@ token sampled at N has already had one more token computed at N+1, which is drop
 with penalties or a grammar need their whole history on the host, so while one runs the core
 waits for N before scheduling N+1. Speculative decoding runs ahead too: N+1 is scheduled as if
 N accepted all its drafts, the step corrects its positions on the device from N's accepted
-counts (executor/spec_verify.py), and it proposes its drafts there, from the tokens N really
-accepted (executor/device_drafts.py).
+counts (programs/spec_verify.py), and it proposes its drafts there, from the tokens N really
+accepted (programs/device_drafts.py).
 
 A step that raises while it is prepared, launched or read back fails the requests it carried
 (finish reason "error", blocks freed) and the engine goes on, unless the device state is lost
@@ -43,8 +43,8 @@ from jaxserve.engine.dp_router import DPRouter
 from jaxserve.engine.kv_connector import KVConnector
 from jaxserve.engine.spec_switch import SpeculationSwitch
 from jaxserve.engine.stats import EngineStats
-from jaxserve.executor.executor import Executor, PendingStep, UnexpectedCompilationError
 from jaxserve.models.loaded_model import LoadedModel
+from jaxserve.runtime.executor import Executor, PendingStep, UnexpectedCompilationError
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from jaxserve.core.scheduler_output import EngineCoreOutput, KVLoad
 from jaxserve.engine.stats import EngineStats, KVTransferStats, TTFTSplit
 
 if TYPE_CHECKING:
-    from jaxserve.executor.executor import Executor
+    from jaxserve.runtime.executor import Executor
 
 MAX_TIMING_SAMPLES = 10_000
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from jaxserve.entrypoints.bench_serve import random_token_prompts
-from jaxserve.entrypoints.cli_args import add_config_arg, add_engine_args, engine_kwargs
+from jaxserve.entrypoints.cli.args import add_config_arg, add_engine_args, engine_kwargs
 
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
 

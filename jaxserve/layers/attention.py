@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxserve.kernels.cpu import native as cpu_native, paged_attention as cpu_paged_attention
+from jaxserve.kernels.xla import attention as xla_attention
 from jaxserve.layers.axes import AXIS
-from pallas_kernels import cpu_native, cpu_paged_attention, xla_attention
 
 BACKENDS = ("auto", "xla", "cpu", "pallas", "pallas_interpret")
 
@@ -111,9 +112,9 @@ def _xla_kernel(decode_rows: int) -> AttendFn:
 @functools.cache
 def _pallas_kernels(kind: str, interpret: bool) -> tuple[AttendFn, FusedFn | None]:
     # Cached so equal backends are one object: the jitted step's cache is keyed on it.
-    from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention as gpu_attend
-    from pallas_kernels.ragged_paged_attention_tpu import (ragged_paged_attention as tpu_attend,
-                                                           write_and_attend)
+    from jaxserve.kernels.gpu.ragged_paged_attention import ragged_paged_attention as gpu_attend
+    from jaxserve.kernels.tpu.ragged_paged_attention import (ragged_paged_attention as tpu_attend,
+                                                             write_and_attend)
 
     if kind == "gpu":  # XLA:GPU scatters into the cache in place, row by row
         return functools.partial(gpu_attend, interpret=interpret), None
@@ -162,7 +163,7 @@ def validate_backend(backend: AttentionBackend, *, platform: str, num_q_heads: i
     """Check block size and kernel tiles against the hardware at start-up (ValueError)."""
     if backend.name != "pallas":
         return
-    import pallas_kernels as pk
+    import jaxserve.kernels as pk
 
     group = num_q_heads // num_kv_heads
     if platform == "tpu":

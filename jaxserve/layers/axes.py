@@ -1,4 +1,4 @@
-"""The device mesh's axis names: executor/mesh.py builds every mesh with them, the sharding
+"""The device mesh's axis names: placement/mesh.py builds every mesh with them, the sharding
 rules and the layers' per-device kernels shard over the model (tensor-parallel) axis."""
 
 from __future__ import annotations

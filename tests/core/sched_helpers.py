@@ -6,11 +6,11 @@ import zlib
 from dataclasses import dataclass, field
 
 from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from jaxserve.core.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.speculative_config import SpeculativeConfig
 
 BS = 4
 EOS = 2

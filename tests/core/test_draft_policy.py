@@ -1,11 +1,11 @@
 """Who drafts (core/draft_policy.py): a request backs off after verifications that accepted
 nothing while it shares the step, never while it runs alone."""
 
+from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.core.block_hash import HASH_NBYTES
 from jaxserve.core.draft_policy import MAX_BACKOFF, DraftPolicy
 from jaxserve.core.request import Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.speculative_config import SpeculativeConfig
 
 SPEC = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=2)
 

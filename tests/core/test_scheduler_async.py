@@ -4,8 +4,8 @@ test_scheduler.py runs both modes."""
 
 from __future__ import annotations
 
+from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput
-from jaxserve.speculative_config import SpeculativeConfig
 from sched_helpers import EOS, FIRST_SAMPLED, Harness, expected_outputs
 
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxserve.executor.sharding import kv_cache_sharding
-from jaxserve.executor.kv_blocks import (block_buckets, gather_blocks, layout_heads,
-                                         pad_blocks, padded_block_ids, scatter_blocks,
-                                         transfer_heads)
+from jaxserve.placement.kv_blocks import (block_buckets, gather_blocks, layout_heads,
+                                          pad_blocks, padded_block_ids, scatter_blocks,
+                                          transfer_heads)
+from jaxserve.placement.sharding import kv_cache_sharding
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (forced) CPU devices")
 L, NB, BS, D = 2, 12, 4, 8

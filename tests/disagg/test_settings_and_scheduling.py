@@ -7,11 +7,11 @@ import json
 import pytest
 
 from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig, side_config
+from jaxserve.config.disaggregation import DisaggregationSide
 from jaxserve.core.request import KVTransfer, Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_kv_connector import KVConsumer, KVProducer
 from jaxserve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput
-from jaxserve.disaggregation_config import DisaggregationSide
 from jaxserve.sampling_params import SamplingParams
 
 

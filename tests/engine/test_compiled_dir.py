@@ -18,11 +18,12 @@ import pytest
 
 from engine_helpers import hf_greedy, random_prompts
 from jaxserve import LLM, SamplingParams
+from jaxserve.compilation import aot
 from jaxserve.config import EngineConfig
-from jaxserve.executor import aot, compiled_dir
-from jaxserve.executor.device_step import step_key
-from jaxserve.executor.input_batch import StepArrays
-from jaxserve.executor.program_order import first_programs
+from jaxserve.programs.device_step import step_key
+from jaxserve.programs.input_batch import StepArrays
+from jaxserve.runtime import compiled_dir
+from jaxserve.runtime.program_order import first_programs
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 ENGINE = dict(max_model_len=128, num_kv_blocks=64, block_size=16, max_num_seqs=4,

@@ -1,4 +1,4 @@
-"""The memory the engine sizes its KV pool into (executor/device_memory.py): on GPU the smallest
+"""The memory the engine sizes its KV pool into (placement/device_memory.py): on GPU the smallest
 of gpu_memory_utilization, the allocator's fraction it sets for JAX, and the 80% XLA:GPU plans
 programs against; the fraction is set before JAX starts its GPU client, and a user's is kept."""
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from jaxserve.executor import device_memory
-from jaxserve.executor.device_memory import plan, planning_fraction
+from jaxserve.placement import device_memory
+from jaxserve.placement.device_memory import plan, planning_fraction
 
 GB = 10**9
 
@@ -32,7 +32,7 @@ def test_a_gpu_reads_its_memory_off_the_allocators_limit(monkeypatch):
 
 
 def _fraction_set(env: dict[str, str], code: str = "") -> str:
-    script = ("import os; " + code + "from jaxserve.executor.device_memory import "
+    script = ("import os; " + code + "from jaxserve.placement.device_memory import "
               "set_allocator_fraction; set_allocator_fraction(0.85); "
               "print(os.environ.get('XLA_CLIENT_MEM_FRACTION'), "
               "os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))")

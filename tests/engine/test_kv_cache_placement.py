@@ -1,6 +1,6 @@
 """Where the CPU KV cache lives: the step donates it, so decoding never moves (copies) it, and
 the worker puts the freshly zeroed pool onto 2 MiB pages from their first touch
-(executor/huge_pages.py)."""
+(placement/huge_pages.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from engine_helpers import SMALL_ENGINE, random_prompts
 from jaxserve import LLMEngine, SamplingParams
-from jaxserve.executor.huge_pages import HUGE_PAGE_BYTES, place_zeroed_on_huge_pages
+from jaxserve.placement.huge_pages import HUGE_PAGE_BYTES, place_zeroed_on_huge_pages
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -69,9 +69,9 @@ def test_decoding_keeps_the_kv_cache_in_place_on_huge_pages(llama, compile_cache
 
 def test_cpu_pool_is_a_share_of_available_memory_capped_and_overridable(
         llama, compile_cache_dir, monkeypatch) -> None:
-    from jaxserve.executor import worker
-    from jaxserve.executor.host_memory import CPU_KV_MEMORY_FRACTION, available_host_bytes
     from jaxserve.models.llama import kv_cache_bytes_per_block
+    from jaxserve.placement.host_memory import CPU_KV_MEMORY_FRACTION, available_host_bytes
+    from jaxserve.runtime import worker
 
     assert 0 < available_host_bytes() <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     args = {k: v for k, v in SMALL_ENGINE.items() if k != "num_kv_blocks"}

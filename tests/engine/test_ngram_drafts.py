@@ -1,4 +1,4 @@
-"""N-gram drafts proposed on the device (executor/device_drafts.py), read from the token cache
+"""N-gram drafts proposed on the device (programs/device_drafts.py), read from the token cache
 through each request's block table: the host reference's drafts (tests/ngram_reference.py)
 for every request of a batch, and the last token repeated where the reference finds no
 match."""
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.executor.device_drafts import propose_ngram_drafts, write_tokens
 from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.programs.device_drafts import propose_ngram_drafts, write_tokens
 from tests.ngram_reference import propose_ngram
 
 BLOCK_SIZE = 4

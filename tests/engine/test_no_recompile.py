@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.runtime.model_runner import UnexpectedCompilationError
 from jaxserve.sampling_params import StructuredOutputsParams
-from jaxserve.executor.model_runner import UnexpectedCompilationError
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 

@@ -37,7 +37,7 @@ def test_backend_selection():
 
 @pytest.mark.parametrize("name", ["cpu", "xla", "pallas_interpret"])
 def test_a_step_without_drafts_runs_the_backend_of_an_engine_without_speculation(name):
-    """A speculative engine's steps without drafts (executor/spec_step.py) take this backend:
+    """A speculative engine's steps without drafts (programs/spec_step.py) take this backend:
     their decodes are one row each, as in the plain step of an engine without speculation."""
     with_drafts = get_attention_backend(name, "cpu", decode_rows=5)
     plain = get_attention_backend(name, "cpu")

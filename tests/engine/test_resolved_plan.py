@@ -1,4 +1,4 @@
-"""The engine's plan (executor/resolved.py): the facts derived from the config, the model and the
+"""The engine's plan (programs/resolved.py): the facts derived from the config, the model and the
 devices, resolved once into a frozen object. A plan whose KV pool cannot hold one max_model_len
 sequence cannot be built, and the worker and the compile check resolve the same plan."""
 
@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve import LLM
+from jaxserve.compilation.compile_check import prepare
 from jaxserve.config import EngineConfig
-from jaxserve.executor.compile_check import prepare
-from jaxserve.executor.mesh import tp_mesh
-from jaxserve.executor.resolved import resolve_plan
-from jaxserve.executor.targets import Target
 from jaxserve.models.llama_config import LlamaConfig
+from jaxserve.placement.mesh import tp_mesh
+from jaxserve.programs.resolved import resolve_plan
+from jaxserve.placement.targets import Target
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                   num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=200)

@@ -270,7 +270,7 @@ def test_bad_speculative_config_is_a_value_error_naming_the_field(config, field)
 
 def test_default_token_buckets_hold_one_verify_step_unpadded():
     from jaxserve.config import EngineConfig
-    from jaxserve.executor.step_shapes import step_buckets
+    from jaxserve.programs.step_shapes import step_buckets
 
     ngram = {"method": "ngram", "num_speculative_tokens": 4}
     with_spec = EngineConfig.from_kwargs(speculative_config=ngram, max_num_batched_tokens=64)

@@ -106,7 +106,7 @@ def test_sampled_joint_equals_the_targets_and_the_test_catches_unverified_drafts
     assert stat < critical_value(df), (stat, df)
     print(f"chi-square {stat:.1f} on {df} degrees of freedom (critical {critical_value(df):.1f})")
 
-    import jaxserve.executor.model_runner as model_runner
+    import jaxserve.runtime.model_runner as model_runner
 
     def accept_every_draft(sampled: np.ndarray, sample_starts: np.ndarray,
                            drafts: list) -> list[list[int]]:

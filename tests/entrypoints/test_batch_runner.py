@@ -20,7 +20,7 @@ from batch_helpers import write_tiny_model
 
 from jaxserve.entrypoints.batch_runner import build_engine, recover_output, run_batch
 from jaxserve.entrypoints.batch_spec import BatchRunSpec, load_spec
-from jaxserve.entrypoints.cli import main as cli_main
+from jaxserve.entrypoints.cli.main import main as cli_main
 
 NUM_ROWS = 10
 
@@ -94,7 +94,7 @@ def test_kill_9_mid_run_then_rerun_finishes_every_row_once(tmp_path, engine_args
     spec = write_spec(tmp_path, engine_args, rows, max_in_flight=1,
                       sampling={"temperature": 0.0, "max_tokens": 60, "ignore_eos": True})
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "run", str(spec), "--no-progress"]
+    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli.main", "run", str(spec), "--no-progress"]
     env = os.environ | {"JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120

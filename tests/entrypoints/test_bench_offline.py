@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jaxserve.entrypoints.cli import main
+from jaxserve.entrypoints.cli.main import main
 
 
 def _flags(engine_args: dict[str, Any]) -> list[str]:

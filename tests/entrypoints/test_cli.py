@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from jaxserve.config import ENGINE_ARGS, EngineConfig
-from jaxserve.entrypoints.cli import build_parser, main
-from jaxserve.entrypoints.cli_args import VLLM_FLAG_TYPES, engine_kwargs, parse_with_config
+from jaxserve.entrypoints.cli.args import VLLM_FLAG_TYPES, engine_kwargs, parse_with_config
+from jaxserve.entrypoints.cli.main import build_parser, main
 
 
 def serve_kwargs(*flags: str) -> dict:

@@ -12,9 +12,9 @@ import pytest
 
 from jaxserve.config import (ENGINE_ARGS, EngineConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, check_engine_args)
-from jaxserve.disaggregation_config import DisaggregationConfig
-from jaxserve.speculative_config import SpeculativeConfig
-from jaxserve.entrypoints.cli_args import add_engine_args, engine_kwargs
+from jaxserve.config.disaggregation import DisaggregationConfig
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.entrypoints.cli.args import add_engine_args, engine_kwargs
 
 
 @pytest.mark.parametrize("name, value", [

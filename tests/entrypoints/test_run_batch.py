@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.entrypoints.cli import main
+from jaxserve.entrypoints.cli.main import main
 
 MESSAGES = [{"role": "user", "content": "Hello robot"}]
 

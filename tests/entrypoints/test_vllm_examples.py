@@ -12,9 +12,9 @@ import pytest
 
 from jaxserve import (LLM, AsyncEngineArgs, AsyncLLM, EngineArgs, LLMEngine, RequestOutputKind,
                       SamplingParams)
+from jaxserve.config.vllm_args import accept_vllm_args
 from jaxserve.inputs import TextPrompt, TokensPrompt
 from jaxserve.outputs import Logprob
-from jaxserve.vllm_args import accept_vllm_args
 
 # vLLM's example scripts pass these; here they have no effect (one log line each).
 VLLM_NO_EFFECT = dict(enforce_eager=True, trust_remote_code=True, disable_log_stats=True,
@@ -269,7 +269,7 @@ async def _gather(*coros: Any) -> list:
 
 def test_vllm_arguments_without_effect_log_once_and_the_others_are_refused(
         caplog: pytest.LogCaptureFixture, engine_args: dict[str, Any]) -> None:
-    with caplog.at_level(logging.INFO, logger="jaxserve.vllm_args"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.config.vllm_args"):
         accept_vllm_args({"max_seq_len_to_capture": 1})
         accept_vllm_args({"max_seq_len_to_capture": 2})
     assert sum("max_seq_len_to_capture" in r.message for r in caplog.records) == 1

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve.executor.compile_check import (abstract_model, count_large_copies,
-                                             count_weight_copies, weight_dims)
-from jaxserve.executor.sharding import AXIS
+from jaxserve.compilation.compile_check import (abstract_model, count_large_copies,
+                                                count_weight_copies, weight_dims)
 from jaxserve.layers.axes import DATA_AXIS
 from jaxserve.models.llama_config import LlamaConfig
+from jaxserve.placement.sharding import AXIS
 
 CONFIG = '{"flag_configs":[]}'
 HLO = "\n".join([

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.executor import hlo_text
-from jaxserve.executor.hlo_text import ITEMSIZE
-from jaxserve.executor.compile_report import BucketReport, CompileReport, ScenarioCost
-from jaxserve.executor.step_cost import step_cost, trip_count
-from jaxserve.executor.step_floor import bucket_scenarios
-from jaxserve.executor.targets import CHIPS
-from pallas_kernels.ragged_paged_attention_tpu import KERNEL as TPU_ATTENTION
-from pallas_kernels.ragged_paged_attention_tpu import hbm_traffic as tpu_attention_traffic
-from pallas_kernels.traffic import RaggedBatch
+from jaxserve.compilation import hlo_text
+from jaxserve.compilation.compile_report import BucketReport, CompileReport, ScenarioCost
+from jaxserve.compilation.hlo_text import ITEMSIZE
+from jaxserve.compilation.step_cost import step_cost, trip_count
+from jaxserve.compilation.step_floor import bucket_scenarios
+from jaxserve.kernels.tpu.ragged_paged_attention import KERNEL as TPU_ATTENTION
+from jaxserve.kernels.tpu.ragged_paged_attention import hbm_traffic as tpu_attention_traffic
+from jaxserve.kernels.traffic import RaggedBatch
+from jaxserve.placement.targets import CHIPS
 from target_compilers import target_compiler_env
 from xla_reading import xla_reading
 
@@ -40,7 +40,7 @@ def compile_check(platform: str, out: Path, *args: str) -> tuple[int, dict, str]
         pytest.skip(f"{python.parent.parent.name} absent: run "
                     f"scripts/setup_compile_venvs.sh {platform}")
     env = target_compiler_env(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    proc = subprocess.run([str(python), "-m", "jaxserve.entrypoints.cli", "compile-check",
+    proc = subprocess.run([str(python), "-m", "jaxserve.entrypoints.cli.main", "compile-check",
                            str(LLAMA3_8B), "--num-layers", str(LAYERS), "--json",
                            str(out / "report.json"), *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)

@@ -1,7 +1,7 @@
 """Building the native CPU kernel: its cache key, the pruning of stale builds, one build at a
 time, and the backend choice when it cannot be built. Most use a stand-in compiler that writes
 its output file and counts its runs, so that no test waits for a real build; the real one is
-built on the import of pallas_kernels.cpu_native. Its numerics are checked elsewhere: with the
+built on the import of jaxserve.kernels.cpu.native. Its numerics are checked elsewhere: with the
 other kernels (test_xla_attention.py against the oracle, test_ragged_paged_attention.py against
 the `xla` backend, bf16 caches and poisoned KV included), its FFI entry in
 test_cpu_paged_attention_ffi.py, under the sanitizers in test_cpu_native_sanitized.py, and in
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxserve.kernels.cpu import native as cpu_native
 from jaxserve.layers.attention import get_attention_backend
-from pallas_kernels import cpu_native
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,7 +64,7 @@ def test_a_build_is_cached_by_source_flags_and_compiler_version(tmp_path, fake_c
     monkeypatch.setenv("FAKECC_VERSION", "2")  # an upgraded compiler behind the same path
     upgraded = cpu_native.build(cache)
     with_flag = cpu_native.build(cache, ("-DNDEBUG",))
-    source = tmp_path / "cpu_paged_attention.cc"
+    source = tmp_path / "paged_attention.cc"
     source.write_bytes(cpu_native._SOURCES[0].read_bytes() + b"\n// edited\n")
     monkeypatch.setattr(cpu_native, "_SOURCES", (source,))
     edited = cpu_native.build(cache)
@@ -93,7 +93,7 @@ def test_processes_importing_the_module_at_once_build_it_once(tmp_path, fake_com
     each then falls back to XLA's ops.)"""
     env = {**os.environ, "JAXSERVE_KERNEL_CACHE": str(tmp_path / "cache"), "FAKECC_SECONDS": "2",
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    code = "from pallas_kernels import cpu_native; assert not cpu_native.available()"
+    code = "from jaxserve.kernels import cpu_native; assert not cpu_native.available()"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert fake_compiler.read_text().splitlines() == ["build"]

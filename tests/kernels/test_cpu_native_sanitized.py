@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from pallas_kernels import cpu_native
+from jaxserve.kernels.cpu import native as cpu_native
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # -O1 after the usual -O3: the build takes a third of the time; the kernel's vectors are
-# written out (cpu_vector.h), not left to the optimiser.
+# written out (vector.h), not left to the optimiser.
 SANITIZER_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all",
                    "-fno-omit-frame-pointer", "-g", "-O1")
 CASES = ("tests/kernels/test_cpu_paged_attention_ffi.py", "tests/kernels/test_xla_attention.py",

@@ -1,4 +1,4 @@
-"""The native CPU kernel's FFI entry (pallas_kernels/cpu_paged_attention.cc), called directly:
+"""The native CPU kernel's FFI entry (jaxserve/kernels/cpu/paged_attention.cc), called directly:
 every mis-shaped buffer is refused with an error naming it, before the kernel indexes anything
 by the wrong dims, and bad metadata in well-shaped buffers reads and writes within them.
 test_cpu_native_sanitized.py runs these under AddressSanitizer too."""
@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_native, oracle
+from jaxserve.kernels import oracle
+from jaxserve.kernels.cpu import native as cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(),
                                 reason="the native CPU kernels did not build")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import ragged_paged_attention_gpu, ragged_paged_attention_tpu
+from jaxserve.kernels import ragged_paged_attention_gpu, ragged_paged_attention_tpu
 
 Q = jnp.zeros((8, 4, 16))
 CACHE = jnp.zeros((1, 2, 4, 8, 16))

@@ -17,8 +17,8 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention_tpu import hbm_traffic, write_and_attend
-from pallas_kernels.traffic import RaggedBatch
+from jaxserve.kernels.tpu.ragged_paged_attention import hbm_traffic, write_and_attend
+from jaxserve.kernels.traffic import RaggedBatch
 
 L, NB, BS, D, HKV, G = 2, 64, 16, 128, 2, 4
 T, R, P = 48, 6, 12

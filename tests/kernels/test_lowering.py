@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
-from pallas_kernels import (
+from jaxserve.kernels import (
     default_gpu_tiles,
     default_tpu_tiles,
     ragged_paged_attention_gpu,

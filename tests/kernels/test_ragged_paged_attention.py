@@ -1,5 +1,5 @@
 """Interpret-mode numerics of the TPU and GPU ragged paged-attention kernels, and the `cpu`
-backend's native kernel, against the `xla` backend (pallas_kernels/xla_attention.py,
+backend's native kernel, against the `xla` backend (jaxserve/kernels/xla/attention.py,
 itself checked against the plain oracle); and the TPU kernel's fused KV write against the `xla`
 backend's scatter, bit for bit.
 
@@ -23,14 +23,16 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import (
+from jaxserve.kernels import (
     ragged_paged_attention_gpu,
     ragged_paged_attention_tpu,
     ragged_paged_attention_xla,
     write_kv,
 )
-from pallas_kernels.ragged_paged_attention_tpu import write_and_attend
-from pallas_kernels.cpu_paged_attention import ragged_paged_attention as ragged_paged_attention_cpu
+from jaxserve.kernels.cpu.paged_attention import (
+    ragged_paged_attention as ragged_paged_attention_cpu,
+)
+from jaxserve.kernels.tpu.ragged_paged_attention import write_and_attend
 
 NUM_TOKENS = 40  # padded T: real rows first, then rows that belong to no request
 MAX_SEQS = 6  # padded R

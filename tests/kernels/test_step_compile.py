@@ -46,7 +46,7 @@ def compile_check(platform: str, tmp_path: Path, *args: str) -> tuple[int, dict,
                     f"scripts/setup_compile_venvs.sh {platform}")
     out = tmp_path / "report.json"
     env = target_compiler_env(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    proc = subprocess.run([str(python), "-m", "jaxserve.entrypoints.cli", "compile-check",
+    proc = subprocess.run([str(python), "-m", "jaxserve.entrypoints.cli.main", "compile-check",
                            str(LLAMA3_8B), "--json", str(out), *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     report = json.loads(out.read_text()) if out.exists() else {}
@@ -177,7 +177,7 @@ def test_a_preset_builds_its_compiled_dir_deviceless(name, tmp_path):
     bucket = str(yaml.safe_load(preset.read_text())["token_buckets"][0])
     out = tmp_path / "compiled"
     env = target_compiler_env(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    proc = subprocess.run([str(VENVS[platform]), "-m", "jaxserve.entrypoints.cli", "compile",
+    proc = subprocess.run([str(VENVS[platform]), "-m", "jaxserve.entrypoints.cli.main", "compile",
                            str(LLAMA3_8B), "--target", target, "--config", str(preset),
                            "--num-layers", "4", "--token-buckets", bucket,
                            "--max-num-batched-tokens", bucket, "--max-num-seqs", "16",

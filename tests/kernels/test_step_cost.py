@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.executor import hlo_text
-from jaxserve.executor.step_cost import step_cost, trip_count
-from jaxserve.executor.targets import Chip
-from pallas_kernels.traffic import RaggedBatch
+from jaxserve.compilation import hlo_text
+from jaxserve.compilation.step_cost import step_cost, trip_count
+from jaxserve.kernels.traffic import RaggedBatch
+from jaxserve.placement.targets import Chip
 from xla_reading import xla_bytes, xla_reading
 
 CHIP = Chip(hbm_bandwidth=1e12, bf16_flops=1e15, link_bandwidth=5e10, ports=2,

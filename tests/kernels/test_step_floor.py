@@ -3,10 +3,10 @@ beside a 4-token prefill from position 0."""
 
 import pytest
 
-from jaxserve.executor.step_floor import step_floor
-from jaxserve.executor.targets import Chip
+from jaxserve.compilation.step_floor import step_floor
+from jaxserve.kernels.traffic import RaggedBatch
 from jaxserve.models.llama_config import LlamaConfig
-from pallas_kernels.traffic import RaggedBatch
+from jaxserve.placement.targets import Chip
 
 CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)

@@ -1,5 +1,5 @@
-"""The `xla` backend (pallas_kernels/xla_attention.py) and the `cpu` backend's native kernel
-(pallas_kernels/cpu_paged_attention.py) against the plain oracle (pallas_kernels/oracle.py)."""
+"""The `xla` backend (jaxserve/kernels/xla/attention.py) and the `cpu` backend's native kernel
+(jaxserve/kernels/cpu/paged_attention.py) against the plain oracle (jaxserve/kernels/oracle.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_native, oracle
-from pallas_kernels.cpu_paged_attention import ragged_paged_attention as native_attention
-from pallas_kernels.xla_attention import ragged_paged_attention, write_kv
+from jaxserve.kernels import oracle
+from jaxserve.kernels.cpu import native as cpu_native
+from jaxserve.kernels.cpu.paged_attention import ragged_paged_attention as native_attention
+from jaxserve.kernels.xla.attention import ragged_paged_attention, write_kv
 
 L, HKV, NB, BS, D, HQ = 2, 2, 96, 8, 16, 4
 

@@ -149,8 +149,8 @@ def test_a_draft_model_whose_heads_tp_does_not_divide_is_rejected_naming_the_fie
 
 
 def test_tp_neither_dividing_nor_a_multiple_of_the_kv_heads_is_rejected():
-    from jaxserve.executor.sharding import validate_tensor_parallel
     from jaxserve.models.llama_config import LlamaConfig
+    from jaxserve.placement.sharding import validate_tensor_parallel
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=64, num_layers=1,
                       num_heads=12, num_kv_heads=4, head_dim=8)
@@ -162,9 +162,10 @@ def test_tp_neither_dividing_nor_a_multiple_of_the_kv_heads_is_rejected():
 
 def test_orbax_checkpoint_restores_each_shard_onto_its_device(compile_cache_dir, tmp_path, gqa8,
                                                              monkeypatch):
-    from jaxserve.executor import sharding, worker
     from jaxserve.models.checkpoint_io import save_converted
     from jaxserve.models.loader import load_model
+    from jaxserve.placement import sharding
+    from jaxserve.runtime import worker
 
     path, prompts, expected = gqa8
     dst = save_converted(load_model(str(path)), tmp_path / "converted")

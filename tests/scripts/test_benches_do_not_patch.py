@@ -124,11 +124,11 @@ def test_no_script_patches_the_engine(script: Path):
 # bench_serving): each is caught.
 OLD_PATCHES = {
     "module global": """
-import jaxserve.executor.model_runner as mr
+import jaxserve.runtime.model_runner as mr
 setattr(mr, "_step", lambda *a: None)
 """,
     "module global, from-import": """
-from jaxserve.executor import model_runner
+from jaxserve.runtime import model_runner
 model_runner.replicate = print
 """,
     "scheduler method": """

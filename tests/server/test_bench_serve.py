@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve.entrypoints.bench_serve import RequestResult, arrival_gaps, summarize
-from jaxserve.entrypoints.cli import main
+from jaxserve.entrypoints.cli.main import main
 from server_helpers import API_KEY
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 
 from jaxserve import SamplingParams
-from jaxserve.entrypoints.cli import main
+from jaxserve.entrypoints.cli.main import main
 from server_helpers import API_KEY
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.entrypoints.cli import build_parser
-from jaxserve.entrypoints.cli_args import engine_kwargs
-from jaxserve.entrypoints.serve_cli import cmd_serve
+from jaxserve.entrypoints.cli.args import engine_kwargs
+from jaxserve.entrypoints.cli.main import build_parser
+from jaxserve.entrypoints.cli.serve import cmd_serve
 
 
 def test_serve_parses_engine_and_server_arguments():

@@ -90,7 +90,7 @@ def test_greedy_tokens_equal_hf_for_raw_and_chat_prompts(llm: LLM, offline: list
 
 def test_generate_cli_answers_through_the_chat_template(engine_args: dict[str, Any],
                                                         capsys: pytest.CaptureFixture) -> None:
-    from jaxserve.entrypoints.cli import main
+    from jaxserve.entrypoints.cli.main import main
 
     flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
              for k, v in engine_args.items() if k != "model"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import jax
 
 from jaxserve.config import EngineConfig, side_config
-from jaxserve.disaggregation_config import DisaggregationConfig
+from jaxserve.config.disaggregation import DisaggregationConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.kv_connector import KVConnector
-from jaxserve.executor.kv_blocks import transfer_heads
 from jaxserve.models.loaded_model import LoadedModel
 from jaxserve.models.loader import load_configured
+from jaxserve.placement.kv_blocks import transfer_heads
 
 
 def make_decode_core(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineCore:

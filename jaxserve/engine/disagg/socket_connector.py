@@ -24,12 +24,12 @@ from typing import Any
 import jax
 
 from jaxserve.config import EngineConfig
+from jaxserve.config.disaggregation import DisaggregationConfig, DisaggregationSide
 from jaxserve.core.scheduler_output import EngineCoreOutput
-from jaxserve.disaggregation_config import DisaggregationConfig, DisaggregationSide
-from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.disagg import jax_transfer
 from jaxserve.engine.disagg.wire import AUTHKEY_ENV, recv_kv
 from jaxserve.engine.kv_connector import KVConnector, TransferredKV
+from jaxserve.engine.stats import EngineStats
 
 _IDLE_WAIT_S = 0.02  # how long an idle decode side waits for the prefill process per step
 

@@ -1,0 +1,1 @@
+"""The `jaxserve` command and its subcommands."""

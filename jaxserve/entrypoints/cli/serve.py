@@ -1,0 +1,64 @@
+"""`jaxserve serve MODEL [engine args] [server args]`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from jaxserve.entrypoints.cli.args import add_config_arg, add_engine_args, engine_kwargs
+from jaxserve.entrypoints.openai import API_KEY_ENV
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    # Imported here: FastAPI and uvicorn are the [serve] extra, and slow to import.
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.engine.input_processor import NO_TOKENIZER
+    from jaxserve.entrypoints.openai.api_server import run_server
+    from jaxserve.models.chat_template import load_chat_template
+
+    chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    llm = AsyncLLM(args.model, max_queued_requests=args.max_queued_requests,
+                   **engine_kwargs(args, skip=("model",)))
+    if llm.tokenizer is None:  # every completion and chat would be a 400
+        llm.shutdown()
+        raise ValueError(f"{args.model}: {NO_TOKENIZER.removeprefix('prompt: ')}; the server "
+                         "needs one to read prompts")
+    limits = {name: getattr(args, name) for name in ("max_body_bytes", "read_timeout_s")
+              if getattr(args, name) is not None}  # else the server's defaults
+    return run_server(llm, args.served_model_name or [args.model or "jaxserve-default"],
+                      args.host, args.port,
+                      api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                      log_level=args.uvicorn_log_level, open_metrics=args.open_metrics,
+                      chat_template=chat_template, **limits)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible API")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="checkpoint path: HF dir, .gguf, llama2.c .bin, converted dir "
+                       "(default: the small model shipped with jaxserve)")
+    add_engine_args(serve, skip=("model",))
+    add_config_arg(serve)
+    g = serve.add_argument_group("server")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template (a file, or the template itself) for every chat "
+                   "request, instead of the model's")
+    g.add_argument("--host", default="0.0.0.0")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                   f"(default: ${API_KEY_ENV}, which unlike this flag is not visible in ps)")
+    g.add_argument("--open-metrics", action="store_true",
+                   help="serve /metrics without the API key (for a scraper without it)")
+    g.add_argument("--max-request-body-bytes", dest="max_body_bytes", type=int, default=None,
+                   help="larger request bodies get HTTP 413 (default: 10 MiB)")
+    g.add_argument("--http-read-timeout", dest="read_timeout_s", type=float, default=None,
+                   help="seconds a request's headers, and each chunk of its body, may take "
+                   "to arrive (default: 30)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model' (default: the model argument)")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests that may wait for the engine; more get HTTP 503")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serve.set_defaults(func=cmd_serve)

@@ -1,0 +1,1 @@
+"""The CPU's native kernels: C++ through the XLA FFI."""

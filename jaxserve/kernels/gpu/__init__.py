@@ -1,0 +1,1 @@
+"""Ragged paged attention for GPU (Pallas, Triton)."""

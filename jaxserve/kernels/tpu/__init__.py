@@ -1,0 +1,1 @@
+"""Ragged paged attention for TPU (Pallas, Mosaic)."""

@@ -1,0 +1,1 @@
+"""Attention in plain JAX, lowered by XLA on any platform."""

@@ -1,0 +1,94 @@
+"""Tensor-parallel sharding rules over the mesh's `model` axis.
+
+q/k/v by heads, o by its input, gate/up by columns, down by rows, embedding and LM head by
+vocabulary (padded to a multiple of TP), the KV cache by KV heads. When TP exceeds the number
+of KV heads, each KV head is duplicated so every device holds the one its query heads read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.layers.axes import AXIS
+from jaxserve.models.llama_config import LlamaConfig
+from jaxserve.placement.mesh import place
+
+_SPECS = {
+    "embed": P(AXIS, None),
+    "lm_head": P(AXIS, None),
+    "wq": P(None, None, AXIS), "wk": P(None, None, AXIS), "wv": P(None, None, AXIS),
+    "bq": P(None, AXIS), "bk": P(None, AXIS), "bv": P(None, AXIS),
+    "wo": P(None, AXIS, None),
+    "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS),
+    "w_down": P(None, AXIS, None),
+}
+
+
+def validate_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
+    if cfg.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the number of attention heads "
+                         f"({cfg.num_heads})")
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the number of KV heads "
+                         f"({cfg.num_kv_heads}) or be a multiple of it")
+
+
+def expand_kv_heads(cfg: LlamaConfig, params: dict[str, np.ndarray],
+                    tp: int) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """Duplicate each KV head tp / num_kv_heads times (query head j still reads the copy of
+    kv head j // group), so the KV cache and k/v projections shard one head per device."""
+    if tp <= cfg.num_kv_heads:
+        return cfg, params
+    reps, hd = tp // cfg.num_kv_heads, cfg.head_dim
+    out = dict(params)
+    for name in ("wk", "wv", "bk", "bv"):
+        if name in params:
+            w = params[name]
+            heads = w.reshape(*w.shape[:-1], cfg.num_kv_heads, hd)
+            out[name] = np.repeat(heads, reps, axis=-2).reshape(*w.shape[:-1], tp * hd)
+    return cfg.replace(num_kv_heads=tp), out
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp) * tp
+
+
+def pad_vocab(params: dict[str, np.ndarray], vocab_size: int, tp: int) -> dict[str, np.ndarray]:
+    """Zero rows/columns so the vocabulary splits evenly; their logits are cut off again."""
+    extra = padded_vocab_size(vocab_size, tp) - vocab_size
+    if not extra:
+        return params
+    out = dict(params)
+    for name in ("embed", "lm_head"):
+        if name in params:
+            out[name] = np.pad(params[name], ((0, extra), (0, 0)))
+    return out
+
+
+def param_sharding(mesh: Mesh, name: str, shape: tuple[int, ...]) -> NamedSharding:
+    spec = _SPECS.get(name, P())
+    tp = mesh.shape[AXIS]
+    if any(axis is not None and shape[dim] % tp for dim, axis in enumerate(spec)):
+        spec = P()  # e.g. an FFN width that TP does not divide: replicated, still correct
+    return NamedSharding(mesh, spec)
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(None, AXIS))  # [L, Hkv, NB, BS, D]: by KV head
+
+
+def shard_params(cfg: LlamaConfig, params: dict[str, np.ndarray], mesh: Mesh, dtype: Any,
+                 ) -> tuple[LlamaConfig, dict[str, jax.Array]]:
+    """Host weights placed on the mesh by these rules (KV heads expanded and the vocabulary
+    padded for TP): the config as placed and the device arrays."""
+    tp = mesh.shape[AXIS]
+    validate_tensor_parallel(cfg, tp)
+    cfg, params = expand_kv_heads(cfg, params, tp)
+    params = pad_vocab(params, cfg.vocab_size, tp)
+    host_dtype = np.dtype(dtype)
+    return cfg, {name: place(np.asarray(w, host_dtype), param_sharding(mesh, name, w.shape))
+                 for name, w in params.items()}

@@ -1,0 +1,101 @@
+"""Executor: the engine core's handle on its workers, one per data-parallel rank, each on its
+own sub-mesh. A step launches every rank before waiting for any, so ranks run concurrently."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.models.loaded_model import LoadedModel
+from jaxserve.models.loader import LoadingModel, start_loading
+from jaxserve.placement.device_memory import set_allocator_fraction
+from jaxserve.placement.mesh import initialize_distributed, rank_meshes
+from jaxserve.programs.draft_model import load_draft
+from jaxserve.runtime.model_runner import PendingStep, UnexpectedCompilationError
+from jaxserve.runtime.worker import BuiltWorker, Worker, restores_sharded
+
+
+class Executor:
+    def __init__(self, config: EngineConfig,
+                 loaded: LoadedModel | LoadingModel | None = None):
+        set_allocator_fraction(config.cache.gpu_memory_utilization)  # before JAX's GPU client
+        initialize_distributed(config.parallel)
+        m = config.model
+        if loaded is None and not restores_sharded(config):
+            loaded = start_loading(m)  # the weights are read while workers ready the rest
+        draft = load_draft(config)
+        self.workers = [Worker(config, loaded, mesh, draft) for mesh in rank_meshes(
+            config.parallel, select_devices(config.parallel.devices))]
+
+    @property
+    def worker(self) -> Worker:
+        return self.workers[0]
+
+    @property
+    def built(self) -> list[BuiltWorker]:
+        """What each rank's worker built: its KV blocks, max_model_len, model config."""
+        return [w.built for w in self.workers]
+
+    def dispatch(self, scheds: list[SchedulerOutput]) -> list[PendingStep | None]:
+        """Launch every rank's step without waiting (another engine's step can run meanwhile)."""
+        return [w.dispatch(s) for w, s in zip(self.workers, scheds)]
+
+    def collect(self, pending: list[PendingStep | None]) -> list[ModelRunnerOutput]:
+        return [w.collect(p) for w, p in zip(self.workers, pending)]
+
+    # ---- whole KV blocks in and out (disaggregated prefill/decode) ------------------------
+    def read_blocks(self, rank: int, block_ids: list[int], heads: tuple[int, ...],
+                    ) -> tuple[jax.Array, jax.Array]:
+        return self.workers[rank].read_blocks(block_ids, heads)
+
+    def write_blocks(self, rank: int, block_ids: list[int], k: jax.Array | np.ndarray,
+                     v: jax.Array | np.ndarray) -> None:
+        self.workers[rank].write_blocks(block_ids, k, v)
+
+    def kv_sharding(self, rank: int) -> jax.sharding.Sharding:
+        return self.workers[rank].kv_sharding
+
+    def kv_cache_geometry(self) -> tuple[int, int, int, int, int, int]:
+        """(layers, KV heads, blocks, block size, head dim, bytes per element) of rank 0's cache."""
+        cache = self.worker.runner.k_cache
+        return (*cache.shape, cache.dtype.itemsize)
+
+    def warm_up_blocks(self, heads: tuple[int, ...] | None, write: bool) -> None:
+        for w in self.workers:
+            w.warm_up_blocks(heads, write)
+
+    def device_state_lost(self) -> bool:
+        """Whether a worker's KV cache or last sampled ids are gone or hold an error (a failed
+        device computation poisons its outputs and may have consumed its donated inputs)."""
+        for w in self.workers:
+            for array in (w.runner.k_cache, w.runner.v_cache, *w.runner.drafter_cache,
+                          *w.runner.prev):
+                try:
+                    if array.is_deleted():
+                        return True
+                    array.block_until_ready()
+                except Exception:  # noqa: BLE001 (any failure to read it back means lost)
+                    return True
+        return False
+
+    def warm_up(self) -> float:
+        return sum(w.runner.warm_up() for w in self.workers)
+
+
+__all__ = ["Executor", "PendingStep", "UnexpectedCompilationError", "select_devices"]
+
+
+def select_devices(ids: list[int] | None) -> list[Any] | None:
+    """The devices with these indices in `jax.devices()` (None: all of them, in order)."""
+    if ids is None:
+        return None
+    devices = jax.devices()
+    bad = [i for i in ids if not 0 <= i < len(devices)]
+    if bad:
+        raise ValueError(f"devices: index {bad[0]} is out of range; {len(devices)} devices "
+                         "are present")
+    return [devices[i] for i in ids]
