@@ -93,7 +93,7 @@ def test_processes_importing_the_module_at_once_build_it_once(tmp_path, fake_com
     each then falls back to XLA's ops.)"""
     env = {**os.environ, "JAXSERVE_KERNEL_CACHE": str(tmp_path / "cache"), "FAKECC_SECONDS": "2",
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    code = "from jaxserve.kernels import cpu_native; assert not cpu_native.available()"
+    code = "from jaxserve.kernels.cpu import native; assert not native.available()"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert fake_compiler.read_text().splitlines() == ["build"]
