@@ -180,8 +180,10 @@ class ModelRunner:
         second that deserialising a many-layer program takes (program_order.py preloads one
         prefill bucket for a start's first prompts). Its own program then loads behind."""
         programs = self.executables
+        if not isinstance(programs, LoadedPrograms):
+            return arrays
         key = step_key(arrays)
-        if not isinstance(programs, LoadedPrograms) or programs.loading_or_loaded(key):
+        if key not in programs or programs.loading_or_loaded(key):
             return arrays
         for bucket in self.token_buckets:
             if bucket > len(arrays.input_ids):
