@@ -30,15 +30,17 @@ def planned_programs(config: EngineConfig, cfg: LlamaConfig, plan: ResolvedPlan,
 
 
 def first_programs(programs: list[tuple[StepArrays, SamplingMetadata]]) -> list[ProgramKey]:
-    """The keys of the programs a starting engine needs first: the KV pool's; a prefill step
-    of FIRST_PROMPT_TOKENS tokens, which a start's first prompts run in until their own
-    buckets' programs load (model_runner pads a step into a loaded bucket); the one-token
-    decode step; and the samplers of both. The rest load when first used: loading them all
-    at once would take the cores the weights and the first steps need."""
+    """The keys of the programs a starting engine needs first: the KV pool's; the smallest
+    prefill bucket that holds FIRST_PROMPT_TOKENS tokens (else the largest), which a start's
+    first prompts run in until their own buckets' programs load (model_runner pads a step
+    into a loaded bucket), with the fewest requests; the one-token decode step; and the
+    samplers of both. The rest load when first used: loading them all at once would take the
+    cores the weights and the first steps need."""
     plain = [arrays for arrays, _ in programs if not arrays.device_drafts]
     decode = min(plain, key=lambda a: (len(a.input_ids), len(a.seq_lens)))
-    prefill = min(plain, key=lambda a: (abs(len(a.input_ids) - FIRST_PROMPT_TOKENS),
-                                        len(a.seq_lens)))
+    holding = [a for a in plain if len(a.input_ids) >= FIRST_PROMPT_TOKENS]
+    prefill = (min(holding, key=lambda a: (len(a.input_ids), len(a.seq_lens))) if holding
+               else max(plain, key=lambda a: (len(a.input_ids), -len(a.seq_lens))))
     rows = {len(decode.logits_indices), len(prefill.logits_indices)}
     return [KV_INIT, step_key(prefill), step_key(decode), *dict.fromkeys(
         ("sample", pack(sampling)[1]) for arrays, sampling in programs
