@@ -150,7 +150,7 @@ class ModelRunner:
             self.batch.update(sched)
             if sched.is_empty:
                 return None
-            arrays = self._bucket_with_a_program(sched, self.batch.prepare(
+            arrays, packed = self._bucket_with_a_program(sched, self.batch.prepare(
                 sched, self.token_buckets, self.request_buckets, self.running_rows,
                 self.num_drafts))
             rows = self.batch.rows(arrays)
@@ -166,7 +166,7 @@ class ModelRunner:
                 arrays, [self.batch.requests[r] for r in arrays.req_ids],
                 self.config.model.max_logprobs) if self.batch.prompt_logprobs_ids else None
         with self.timings.phase("dispatch"):
-            out, prompt_out, ids = self._run(arrays, sampling, prompt_plan)
+            out, prompt_out, ids = self._run(arrays, sampling, prompt_plan, packed)
             pending = PendingStep(arrays, rows, out, ids, prompt_plan, prompt_out)
         self.batch.mark_pending(arrays)
         self.running_rows = {req_id: (int(arrays.sample_starts[i]), int(arrays.num_drafts[i]))
@@ -174,25 +174,28 @@ class ModelRunner:
                              if arrays.completes_sequence[i]}
         return pending
 
-    def _bucket_with_a_program(self, sched: SchedulerOutput, arrays: StepArrays) -> StepArrays:
-        """The step in a larger token bucket while a compiled directory's programs load, if its
-        own program is not loaded and a larger one is: padding a step costs a fraction of the
-        second that deserialising a many-layer program takes (program_order.py preloads one
-        prefill bucket for a start's first prompts). Its own program then loads behind."""
+    def _bucket_with_a_program(self, sched: SchedulerOutput, arrays: StepArrays,
+                               ) -> tuple[StepArrays, tuple[np.ndarray, PackedLayout]]:
+        """The step, packed; in a larger token bucket while a compiled directory's programs
+        load, if its own program is not loaded and a larger one is: padding a step costs a
+        fraction of the second that deserialising a many-layer program takes (program_order.py
+        preloads one prefill bucket for a start's first prompts). Its own program then loads
+        behind."""
+        packed = step_inputs(arrays)
         programs = self.executables
-        if not isinstance(programs, LoadedPrograms):
-            return arrays
-        key = step_key(arrays)
-        if key not in programs or programs.loading_or_loaded(key):
-            return arrays
+        key = step_key(arrays, packed[1])
+        if not isinstance(programs, LoadedPrograms) or key not in programs \
+                or programs.loading_or_loaded(key):
+            return arrays, packed
         for bucket in self.token_buckets:
             if bucket > len(arrays.input_ids):
                 padded = self.batch.prepare(sched, [bucket], self.request_buckets,
                                             self.running_rows, self.num_drafts)
-                if programs.loading_or_loaded(step_key(padded)):
+                padded_packed = step_inputs(padded)
+                if programs.loading_or_loaded(step_key(padded, padded_packed[1])):
                     programs.load_in_background([key])
-                    return padded
-        return arrays
+                    return padded, padded_packed
+        return arrays, packed
 
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
         if pending is None:
@@ -220,8 +223,10 @@ class ModelRunner:
 
     def _run(self, arrays: StepArrays, sampling: SamplingMetadata,
              prompt_plan: PromptLogprobsPlan | None = None,
+             packed: tuple[np.ndarray, PackedLayout] | None = None,
              ) -> tuple[SamplerOutput, TokenLogprobs | None, jax.Array]:
-        inputs, layout = step_inputs(arrays)
+        """`packed`: `step_inputs(arrays)`, when the caller has it."""
+        inputs, layout = packed or step_inputs(arrays)
         prev, prompt_out = self.prev, None
         shape = (len(arrays.input_ids), len(arrays.seq_lens), len(arrays.logits_indices),
                  arrays.device_drafts)
