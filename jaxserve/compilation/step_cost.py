@@ -43,10 +43,10 @@ COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "collective-permute
 @dataclass
 class StepCost:
     """Per device, for one step: device-memory bytes by kind, flops, and modelled seconds."""
-    weights: float = 0.0
-    kv_read: float = 0.0
-    kv_write: float = 0.0
-    activations: float = 0.0
+    weights: float = 0.0  # bytes of the model's parameters read
+    kv_read: float = 0.0  # bytes of KV cache read (attention kernels by their DMAs)
+    kv_write: float = 0.0  # bytes of KV cache written
+    activations: float = 0.0  # every other device-memory byte read or written
     flops: float = 0.0
     collective_bytes: float = 0.0  # sent over the device's links
     compute_seconds: float = 0.0  # per op: max(bytes / bandwidth, flops / peak)

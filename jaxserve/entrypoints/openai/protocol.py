@@ -307,13 +307,17 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoiceBase(BaseModel):
+    """What a chat choice says beside its message, whole or streamed."""
     index: int
-    message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # with return_token_ids (delta when streamed)
+
+
+class ChatChoice(ChatChoiceBase):
+    message: ChatMessageOut
 
 
 class ChatCompletionResponse(ChoicesResponse[ChatChoice]):
@@ -330,13 +334,8 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
+class ChatStreamChoice(ChatChoiceBase):
     delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None  # with return_token_ids (delta when streamed)
 
 
 class ChatCompletionChunk(ChoicesResponse[ChatStreamChoice]):
