@@ -16,8 +16,7 @@ from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.placement.targets import Target
 from jaxserve.programs.device_step import ProgramKey, step_key
-from jaxserve.programs.input_batch import StepArrays
-from jaxserve.programs.packing import pack
+from jaxserve.programs.input_batch import StepArrays, pack
 from jaxserve.runtime import compiled_dir
 from jaxserve.runtime.program_order import planned_programs
 

@@ -1,9 +1,11 @@
-"""The engine's view of one request: tokens, progress, status and block hashes (no jax)."""
+"""The engine's view of one request: tokens, progress, status, block hashes, and whether the
+token it just got stops it (no jax)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from collections.abc import Set
 from typing import Any
 
 from jaxserve.core.block_hash import HASH_NBYTES, BlockHash, extend_block_hashes
@@ -142,6 +144,32 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         self._extend_block_hashes()
+
+    def stop_status(self, token: int, num_output_tokens: int, max_model_len: int,
+                    eos_token_ids: Set[int]) -> RequestStatus | None:
+        """The finished status `token`, output token number `num_output_tokens` (counted from
+        1), gives this request: length caps, EOS, stop token ids; None: it goes on. Stop strings
+        are checked on detokenized text by the output processor, not here."""
+        params = self.sampling_params
+        if (self.num_prompt_tokens + num_output_tokens >= max_model_len
+                or num_output_tokens >= self.max_tokens):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if num_output_tokens < params.min_tokens:
+            return None
+        if token in eos_token_ids and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_token_ids and token in params.stop_token_ids:
+            self.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def grammar_status(self, token: int) -> RequestStatus | None:
+        """Feed a sampled token to the request's matcher: stopped once the grammar is complete
+        (nothing but EOS could follow), failed if the matcher refuses it (the mask forbids that
+        unless every token was masked, e.g. EOS held back by min_tokens)."""
+        if not self.structured_output.accept(token):
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if self.structured_output.is_terminated else None
 
     def _extend_block_hashes(self) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size,

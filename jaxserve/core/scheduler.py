@@ -29,7 +29,6 @@ from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput,
                                             ModelRunnerOutput, NewRequestData, PromptLogprobs,
                                             SchedulerOutput, SpecDecodingStats)
 from jaxserve.core.step_timing import StepTimings
-from jaxserve.core.stop_check import grammar_status, stop_status
 from jaxserve.core.structured_output import grammar_bitmask
 
 
@@ -420,11 +419,11 @@ class Scheduler:
         status = None
         num_outputs = request.num_output_tokens
         for num_kept, token in enumerate(tokens, 1):
-            status = stop_status(request, token, num_outputs + num_kept, self.max_model_len,
-                                 self.eos_token_ids)
+            status = request.stop_status(token, num_outputs + num_kept, self.max_model_len,
+                                         self.eos_token_ids)
             if request.structured_output is not None and status is None:
                 with self.timings.phase("mask"):
-                    status = grammar_status(request, token)
+                    status = request.grammar_status(token)
             if status is not None:
                 break
         kept = tokens[:num_kept]

@@ -91,7 +91,8 @@ class EngineCore:
                       hash_seed=config.model.seed if hash_seed is None else hash_seed,
                       connector=None if role is None else role())
             for b in built]
-        self.router = DPRouter(self.schedulers)
+        # One rank has nothing to route: its requests are the ones its scheduler holds.
+        self.router = DPRouter(self.schedulers) if len(self.schedulers) > 1 else None
         self.spec_switch = SpeculationSwitch() if spec is not None and spec.adaptive else None
         self._last_step_end: float | None = None
         self._launched_prefill = False  # the last step launched computed prompt tokens
@@ -116,19 +117,29 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         if self.connector is not None:
             request.kv_transfer = KVTransfer.RECEIVE
-        self.schedulers[self.router.route(request)].add_request(request)
+        self.schedulers[self.router.route(request) if self.router else 0].add_request(request)
         if self.connector is not None:
             self.connector.add_request(request)
 
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         for req_id in request_ids:
-            rank = self.router.rank_of(req_id)
+            rank = self._rank_of(req_id)
             if rank is not None:
                 self.schedulers[rank].finish_requests([req_id], status)
-                self.router.forget(req_id)
+                self._forget(req_id)
         if self.connector is not None:
             self.connector.abort_requests(request_ids)
+
+    def _rank_of(self, request_id: str) -> int | None:
+        """The rank holding a live request (None: finished, aborted or unknown)."""
+        if self.router is not None:
+            return self.router.rank_of(request_id)
+        return 0 if request_id in self.scheduler.requests else None
+
+    def _forget(self, request_id: str) -> None:
+        if self.router is not None:
+            self.router.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.schedulers)
@@ -199,7 +210,7 @@ class EngineCore:
             for scheduler, sched, result in zip(self.schedulers, in_flight.scheds, results):
                 for out in scheduler.update_from_output(sched, result):
                     if out.finish_reason is not None:
-                        self.router.forget(out.request_id)
+                        self._forget(out.request_id)
                     outputs.append(out)
         if self.connector is not None:
             self.connector.record_outputs(outputs)
@@ -212,13 +223,13 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         with self.timings.phase("update"):
             for first in events.first_tokens:
-                rank = self.router.rank_of(first.request_id)
+                rank = self._rank_of(first.request_id)
                 if rank is None:
                     continue  # aborted while its first token was on the way
                 if not first.new_token_ids:  # the prefill step failed: so does the request
                     self.schedulers[rank].finish_requests([first.request_id],
                                                           RequestStatus.FINISHED_ERROR)
-                    self.router.forget(first.request_id)
+                    self._forget(first.request_id)
                     self.connector.release([first.request_id])
                     outputs.append(first)
                     continue
@@ -226,7 +237,7 @@ class EngineCore:
                 if out is None:
                     continue
                 if out.finish_reason is not None:
-                    self.router.forget(out.request_id)
+                    self._forget(out.request_id)
                     self.connector.release([out.request_id])
                 outputs.append(out)
             for rank, req_id in events.loaded:
@@ -247,7 +258,7 @@ class EngineCore:
             ids = [r for r in sched.num_scheduled_tokens if r in scheduler.requests]
             scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
             for req_id in ids:
-                self.router.forget(req_id)
+                self._forget(req_id)
                 outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=error))
         return outputs
 

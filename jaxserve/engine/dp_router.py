@@ -1,5 +1,5 @@
-"""Data-parallel routing: each request goes to the rank holding its longest cached prefix,
-else to the least loaded one, and stays there (n > 1 samples travel together)."""
+"""Data-parallel routing (two ranks or more): each request goes to the rank holding its longest
+cached prefix, else to the least loaded one, and stays there (n > 1 samples travel together)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,6 @@ class DPRouter:
         return rank
 
     def _pick(self, request: Request) -> int:
-        if len(self.schedulers) == 1:
-            return 0
         hits = [s.kv.find_cached_prefix(request)[1] for s in self.schedulers]
         loads = [rank_load(s) for s in self.schedulers]
         # Longest hit first; among equal hits (no hit at all included), the lightest load.

@@ -1,7 +1,8 @@
 """The on-device sampler: penalties, temperature, min-p/top-k/top-p, seeded sampling, logprobs.
 
 `sample` is pure JAX and runs inside the engine's jitted step: static shapes, no host syncs.
-`make_sampling_metadata` builds its inputs on the host from each row's `SamplingParams`.
+Its inputs are built on the host from each row's `SamplingParams` by
+`programs/input_batch.py`'s `make_sampling_metadata`.
 
 Order (vLLM V1's): min_tokens blocking and penalties on the raw logits; greedy rows take the
 argmax of those; sampled rows divide by temperature, keep min-p, then top-k, then top-p (over
@@ -13,17 +14,11 @@ Logprobs are of the raw model distribution.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-from jaxserve.sampling_params import SEED_MODULUS, SamplingParams
-
-HISTORY_MIN_BUCKET = 16  # smallest padded length of token histories (Lo, Lp) when present
-BLOCKED_MIN_BUCKET = 4  # smallest padded width of blocked_token_ids when present
 
 
 @functools.partial(
@@ -244,104 +239,3 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, num_top: int) -> Token
         topk_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
     return TokenLogprobs(target_logit[:, 0] - log_norm, rank, topk_ids.astype(jnp.int32),
                          top_values - log_norm[:, None])
-
-
-# ------------------------------------------------------------------------------- host side
-
-@dataclass(slots=True)
-class RowSpec:
-    params: SamplingParams
-    seed: int                                             # u32, from request_seed
-    output_token_ids: Sequence[int] | np.ndarray = ()     # sampled so far and received
-    prompt_token_ids: Sequence[int] | np.ndarray = ()     # read only for repetition_penalty
-    num_pending: int = 0  # sampled by a step still running, not in output_token_ids yet
-
-
-def _bucket(length: int, floor: int) -> int:
-    return 0 if length == 0 else max(floor, 1 << (length - 1).bit_length())
-
-
-def _pad_rows(entries: list[tuple[int, Sequence[int] | np.ndarray]], num_rows: int,
-              floor: int) -> np.ndarray:
-    width = _bucket(max((len(ids) for _, ids in entries), default=0), floor)
-    out = np.full((num_rows, width), -1, np.int32)
-    for row, ids in entries:
-        out[row, :len(ids)] = ids
-    return out
-
-
-def logprobs_width(max_logprobs: int) -> int:
-    """`num_logprobs` of a step where some row wants logprobs: at least 1, since the width is
-    also the switch for the sampled token's rank, which a logprobs=0 row wants too."""
-    return max(max_logprobs, 1)
-
-
-def make_sampling_metadata(rows: Sequence[RowSpec | None], num_rows_padded: int, *,
-                           eos_token_ids: Sequence[int] = (),
-                           num_logprobs: int | None = None,
-                           token_bitmask: np.ndarray | None = None) -> SamplingMetadata:
-    """Host-side (numpy) SamplingMetadata for one step; None rows and padding are greedy dummies.
-
-    Token histories are padded to powers of two (at least HISTORY_MIN_BUCKET) so the number of
-    compiled shapes stays small. `num_logprobs` defaults to the largest any row asks for; pass
-    a fixed value to pin the compiled shape. `token_bitmask`: i32[num_rows_padded, W], the
-    grammar mask of a step with constrained rows. Move the result with one `jax.device_put(md)`.
-    """
-    if num_rows_padded < len(rows):
-        raise ValueError(f"num_rows_padded must be >= the number of rows ({len(rows)}), "
-                         f"got {num_rows_padded}")
-    n = num_rows_padded
-    temperature = np.zeros(n, np.float32)
-    top_k = np.zeros(n, np.int32)
-    top_p = np.ones(n, np.float32)
-    min_p = np.zeros(n, np.float32)
-    seeds = np.zeros(n, np.uint32)
-    steps = np.zeros(n, np.int32)
-    presence = np.zeros(n, np.float32)
-    frequency = np.zeros(n, np.float32)
-    repetition = np.ones(n, np.float32)
-    outputs: list[tuple[int, Sequence[int] | np.ndarray]] = []
-    prompts: list[tuple[int, Sequence[int] | np.ndarray]] = []
-    blocked: list[tuple[int, Sequence[int] | np.ndarray]] = []
-    max_logprobs = 0
-
-    for i, row in enumerate(rows):
-        if row is None:
-            continue
-        p = row.params
-        if not 0 <= row.seed < SEED_MODULUS:
-            raise ValueError(f"seed must be in [0, 2**32), got {row.seed}")
-        seeds[i] = row.seed
-        steps[i] = len(row.output_token_ids) + row.num_pending
-        if not p.greedy:  # neutral filters on greedy rows let the device skip filtering
-            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-        if p.has_penalties:
-            if row.num_pending:
-                raise RuntimeError("penalties need the whole output history on the host; a "
-                                   "step with a penalised row must not run ahead of its tokens")
-            presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
-            repetition[i] = p.repetition_penalty
-            outputs.append((i, row.output_token_ids))
-            if p.repetition_penalty != 1.0:
-                prompts.append((i, row.prompt_token_ids))
-        if steps[i] < p.min_tokens:
-            stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-            if stop_ids:
-                blocked.append((i, stop_ids))
-        if p.logprobs is not None:
-            max_logprobs = max(max_logprobs, logprobs_width(p.logprobs))
-
-    if num_logprobs is None:
-        num_logprobs = max_logprobs
-    elif num_logprobs < max_logprobs:
-        raise ValueError(f"num_logprobs must be >= the largest requested logprobs "
-                         f"({max_logprobs}), got {num_logprobs}")
-    return SamplingMetadata(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
-        steps=steps, presence_penalty=presence, frequency_penalty=frequency,
-        repetition_penalty=repetition,
-        output_token_ids=_pad_rows(outputs, n, HISTORY_MIN_BUCKET),
-        prompt_token_ids=_pad_rows(prompts, n, HISTORY_MIN_BUCKET),
-        blocked_token_ids=_pad_rows(blocked, n, BLOCKED_MIN_BUCKET),
-        token_bitmask=np.zeros((n, 0), np.int32) if token_bitmask is None else token_bitmask,
-        all_greedy=bool(np.all(temperature == 0)), num_logprobs=int(num_logprobs))

@@ -28,8 +28,7 @@ from jaxserve.layers.sampler import SamplerOutput, TokenLogprobs, sample, token_
 from jaxserve.models.llama import DENSE_PARAMS, Llama
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
 from jaxserve.placement.targets import Chip
-from jaxserve.programs.input_batch import StepArrays
-from jaxserve.programs.packing import PackedLayout, pack, unpack
+from jaxserve.programs.input_batch import PackedLayout, StepArrays, pack, unpack
 from jaxserve.programs.spec_verify import accepted_drafts, resolve_previous_step, sample_rows
 
 ProgramKey = tuple[str, PackedLayout | None]  # (kind, the packed inputs' layout)

@@ -17,7 +17,7 @@ from jaxserve.programs.device_step import (Forward, PrevSamples, Statics, StepSt
                                            _step_prompt_logprobs, read_inputs, rows_of,
                                            run_model)
 from jaxserve.programs.drafter import Drafter, DrafterCache, Proposal
-from jaxserve.programs.packing import PackedLayout
+from jaxserve.programs.input_batch import PackedLayout
 
 
 class SpecStatics(Statics):

@@ -27,8 +27,7 @@ from jaxserve.programs.device_step import (PrevSamples, StepStatics, _sample,
                                            sample_rows_shape, split_model, step_inputs,
                                            step_statics)
 from jaxserve.programs.drafter import make_drafter
-from jaxserve.programs.input_batch import StepArrays
-from jaxserve.programs.packing import pack
+from jaxserve.programs.input_batch import StepArrays, pack
 from jaxserve.programs.spec_step import SpecStatics, engine_statics, model_step
 from jaxserve.programs.step_shapes import ngram_lookup, step_variants
 

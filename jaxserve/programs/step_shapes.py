@@ -11,8 +11,8 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, power_of_two_buckets
 from jaxserve.core.structured_output import mask_words
-from jaxserve.layers.sampler import SamplingMetadata, logprobs_width, make_sampling_metadata
-from jaxserve.programs.input_batch import StepArrays
+from jaxserve.layers.sampler import SamplingMetadata
+from jaxserve.programs.input_batch import StepArrays, logprobs_width, make_sampling_metadata
 
 
 def step_buckets(config: EngineConfig) -> tuple[list[int], list[int]]:

@@ -1,5 +1,6 @@
 """Executor: the engine core's handle on its workers, one per data-parallel rank, each on its
-own sub-mesh. A step launches every rank before waiting for any, so ranks run concurrently."""
+own sub-mesh. A worker sets its rank up (weights, KV caches, programs); steps go straight to its
+model runner. A step launches every rank before waiting for any, so ranks run concurrently."""
 
 from __future__ import annotations
 
@@ -42,10 +43,10 @@ class Executor:
 
     def dispatch(self, scheds: list[SchedulerOutput]) -> list[PendingStep | None]:
         """Launch every rank's step without waiting (another engine's step can run meanwhile)."""
-        return [w.dispatch(s) for w, s in zip(self.workers, scheds)]
+        return [w.runner.dispatch(s) for w, s in zip(self.workers, scheds)]
 
     def collect(self, pending: list[PendingStep | None]) -> list[ModelRunnerOutput]:
-        return [w.collect(p) for w, p in zip(self.workers, pending)]
+        return [w.runner.collect(p) for w, p in zip(self.workers, pending)]
 
     # ---- whole KV blocks in and out (disaggregated prefill/decode) ------------------------
     def read_blocks(self, rank: int, block_ids: list[int], heads: tuple[int, ...],

@@ -32,8 +32,7 @@ from jaxserve.core.scheduler_output import Logprobs, ModelRunnerOutput, Schedule
 from jaxserve.core.step_timing import StepTimings
 from jaxserve.layers.attention import AttentionBackend
 from jaxserve.layers.axes import AXIS
-from jaxserve.layers.sampler import (RowSpec, SamplerOutput, SamplingMetadata, TokenLogprobs,
-                                     logprobs_width, make_sampling_metadata)
+from jaxserve.layers.sampler import SamplerOutput, SamplingMetadata, TokenLogprobs
 from jaxserve.models.llama import Llama
 from jaxserve.placement.kv_blocks import (block_buckets, gather_blocks, pad_blocks,
                                           padded_block_ids, scatter_blocks)
@@ -44,8 +43,8 @@ from jaxserve.programs.device_step import (PrevSamples, ProgramKey, StepOutputs,
                                            _sample, sample_rows_shape, split_model,
                                            step_inputs, step_key, step_statics)
 from jaxserve.programs.drafter import DrafterCache, make_drafter
-from jaxserve.programs.input_batch import InputBatch, StepArrays
-from jaxserve.programs.packing import PackedLayout, pack
+from jaxserve.programs.input_batch import (InputBatch, PackedLayout, RowSpec, StepArrays,
+                                           logprobs_width, make_sampling_metadata, pack)
 from jaxserve.programs.prompt_logprobs import (PromptLogprobsPlan, finished_prompt_logprobs,
                                                plan_prompt_logprobs, record_prompt_logprobs)
 from jaxserve.programs.spec_step import (SpecStatics, SpecStepOutputs, engine_statics,

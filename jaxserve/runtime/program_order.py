@@ -11,8 +11,7 @@ from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.programs.resolved import ResolvedPlan
 from jaxserve.programs.device_step import ProgramKey, step_key
-from jaxserve.programs.input_batch import StepArrays
-from jaxserve.programs.packing import pack
+from jaxserve.programs.input_batch import StepArrays, pack
 from jaxserve.programs.step_shapes import warm_up_programs
 from jaxserve.runtime.compiled_dir import KV_INIT
 

@@ -18,7 +18,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.layers.attention import (
     AttentionBackend,
     get_attention_backend,
@@ -49,7 +48,7 @@ from jaxserve.programs.step_program import (ModelParts, kv_blocks_for, largest_s
 from jaxserve.programs.step_shapes import ngram_lookup
 from jaxserve.runtime import compiled_dir
 from jaxserve.runtime.compiled_dir import KV_INIT
-from jaxserve.runtime.model_runner import ModelRunner, PendingStep
+from jaxserve.runtime.model_runner import ModelRunner
 from jaxserve.runtime.program_order import first_programs, planned_programs
 
 logger = logging.getLogger(__name__)
@@ -295,12 +294,6 @@ class Worker:
             num_blocks = min(share, self.config.scheduler.max_num_seqs
                              * self.plan.blocks_per_seq + 1)
         return self.plan.with_pool(num_blocks, per_block)
-
-    def dispatch(self, sched: SchedulerOutput) -> PendingStep | None:
-        return self.runner.dispatch(sched)
-
-    def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
-        return self.runner.collect(pending)
 
     def read_blocks(self, block_ids: list[int], heads: tuple[int, ...],
                     ) -> tuple[jax.Array, jax.Array]:

@@ -65,7 +65,7 @@ def assert_no_disagg_leaks(engine) -> None:
             producer = sched.connector if isinstance(sched.connector, KVProducer) else None
             assert not (producer and producer.sending) and not sched.kv.req_to_blocks
             assert sched.kv.num_free_blocks == sched.kv.num_blocks - 1
-        assert not side.router.routes and not side.router.groups
+        assert side.router is None or (not side.router.routes and not side.router.groups)
     assert not engine.output_processor.states
 
 

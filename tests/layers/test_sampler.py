@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.layers.sampler import (RowSpec, SamplingMetadata, apply_penalties, argmax,
-                                     filter_threshold, logprobs_width,
-                                     make_sampling_metadata, sample)
+from jaxserve.layers.sampler import (SamplingMetadata, apply_penalties, argmax, filter_threshold,
+                                     sample)
+from jaxserve.programs.input_batch import RowSpec, logprobs_width, make_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
 
 _sample = jax.jit(sample)
