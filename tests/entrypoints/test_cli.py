@@ -84,6 +84,22 @@ def test_every_engine_argument_has_help_that_says_what_it_does():
         assert text and not text.startswith("default") and len(text.split()) >= 4, name
 
 
+WITH_ENGINE_ARGS = ("generate", "serve", "run-batch", "compile", "compile-check")
+
+
+@pytest.mark.parametrize("command", [*WITH_ENGINE_ARGS, "convert", "run", "bench", "chat",
+                                     "complete"])
+def test_every_subcommand_prints_its_help(command, capsys):
+    """argparse %-formats help texts: a bare % in one crashed `serve --help`."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:")
+    words = " ".join(out.split())  # argparse wraps the lines
+    assert ("10% of the host memory" in words) == (command in WITH_ENGINE_ARGS)
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])

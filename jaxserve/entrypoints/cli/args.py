@@ -145,7 +145,9 @@ def _add(group: argparse._ArgumentGroup, name: str, help_text: str,
          kind: dict[str, Any]) -> None:
     flags = [f"--{name.replace('_', '-')}"] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS
                                                else [])
-    group.add_argument(*flags, dest=name, default=argparse.SUPPRESS, help=help_text, **kind)
+    # argparse formats help with %: a literal one ("10% of the host memory") must be doubled
+    group.add_argument(*flags, dest=name, default=argparse.SUPPRESS,
+                       help=help_text.replace("%", "%%"), **kind)
 
 
 def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
