@@ -286,7 +286,7 @@ def samples(out: Path, prompts: list[str], max_tokens: int) -> dict[str, list[st
 def hf_tensors(cfg: LlamaConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     from jaxserve.models.registry import family_of
 
-    return dict(family_of(cfg).hf_names.checkpoint_tensors(params, cfg.num_layers))
+    return dict(family_of(cfg).hf_names.checkpoint_tensors(params))
 
 
 def save_checkpoint(out: Path, cfg: LlamaConfig, tok: Any, params: dict[str, np.ndarray]) -> None:

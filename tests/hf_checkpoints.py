@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 KINDS = ("llama", "llama3.1", "mistral", "qwen2", "qwen3")
+MOE_KINDS = ("qwen3_moe", "mixtral")  # 4 experts, top 2
 BOS, EOS = "<s>", "</s>"
 BOS_ID, EOS_ID = 0, 1  # the trainer gives the special tokens the first ids, in order
 
@@ -56,7 +57,16 @@ def _hf_config(kind: str, *, tie: bool, num_kv_heads: int, vocab_size: int,
         return transformers.Qwen2Config(**common, rope_theta=1000000.0)
     if kind == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, head_dim=32, rope_theta=1000000.0,
+                                           num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=hidden_size // 2,
+                                           norm_topk_prob=True)
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**(common | {"intermediate_size": hidden_size // 2}),
+                                          rope_theta=1000000.0, num_local_experts=4,
+                                          num_experts_per_tok=2)
+    raise ValueError(f"kind must be one of {KINDS + MOE_KINDS}, got {kind!r}")
 
 
 def _perturb(model: Any) -> None:

@@ -33,7 +33,7 @@ from jaxserve.compilation.step_floor import bucket_scenarios, step_floor
 from jaxserve.config import EngineConfig
 from jaxserve.layers.attention import get_attention_backend
 from jaxserve.models.llama import kv_cache_bytes_per_block
-from jaxserve.models.llama_config import LlamaConfig, param_shapes
+from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.registry import family_of
 from jaxserve.placement.device_memory import (GPU_PLANNING_FRACTION, allocator_fraction,
                                               planning_fraction)
@@ -58,7 +58,7 @@ def abstract_model(cfg: LlamaConfig, mesh: Mesh, dtype: Any,
                    scan_layers: bool) -> tuple[nnx.GraphDef, Any]:
     """The model's graph and its state as sharded ShapeDtypeStructs: no weights."""
     tp = mesh.shape[AXIS]
-    shapes = param_shapes(cfg)
+    shapes = family_of(cfg).param_shapes(cfg)
     vocab = padded_vocab_size(cfg.vocab_size, tp)
     for name in ("embed", "lm_head"):
         if name in shapes:

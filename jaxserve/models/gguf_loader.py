@@ -77,7 +77,7 @@ def load_gguf(path: str | Path) -> LoadedModel:
                     get(names.name(canonical), canonical, shape))
     # the output head is known when tied too: it may be a copy of the embedding
     known = {n for c in names.tensors if c in params or not names.per_layer(c)
-             for n in names.names(c, config.num_layers)}
+             for _, n in names.names(c, params[c].shape if c in params else ())}
     unused = sorted(set(tensors) - known)
     if unused:
         raise ValueError(f"{path}: unexpected GGUF tensors {unused[:5]}"

@@ -99,13 +99,9 @@ def load_hf_params(directory: Path, config: LlamaConfig) -> dict[str, np.ndarray
         reader = _TensorReader(files, stack)
         for name, shape in family.param_shapes(config).items():
             transpose = name in names.transposed
-            if not names.per_layer(name):
-                params[name] = np.ascontiguousarray(reader.get(names.name(name), shape, transpose),
-                                                    dtype=np.float32)
-                continue
             out = np.empty(shape, np.float32)
-            for layer, tensor in enumerate(names.names(name, config.num_layers)):
-                out[layer] = reader.get(tensor, shape[1:], transpose)
+            for index, tensor in names.names(name, shape):  # per layer (and expert), or one
+                out[index] = reader.get(tensor, shape[len(index):], transpose)
             params[name] = out
     unused = sorted(n for n in set(files) - reader.used
                     if not n.endswith(names.ignored_suffixes)

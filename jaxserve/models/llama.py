@@ -30,8 +30,10 @@ from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import inverse_frequencies, lookup_angles, rotary_angles, rotary_table
 from jaxserve.models.llama_config import LlamaConfig
 
+# Each layer's params a family may have (a mixture of experts: its router and experts)
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
-                "bq", "bk", "bv", "q_norm", "k_norm")
+                "bq", "bk", "bv", "q_norm", "k_norm", "router", "expert_gate", "expert_up",
+                "expert_down")
 # The layer weights the dense layers read, each [(L,) K, N]
 DENSE_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -130,8 +132,11 @@ class Llama(nnx.Module):
                                               collective, shape)
         x = x + o
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        x = x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], collective)
-        return x, k_cache, v_cache
+        return x + self._mlp(h, w, collective), k_cache, v_cache
+
+    def _mlp(self, h: jax.Array, w: dict[str, jax.Array],
+             collective: CollectiveMatmul | None) -> jax.Array:  # [T, D] normed -> [T, D]
+        return gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], collective)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> f32[N, V]
         # The head [V, D] is vocab-major, as HF stores it and as the tied embedding is: at 32

@@ -21,7 +21,7 @@ from jaxserve.models.llama_weights import GGUF_NAMES
 # The HF `architectures` of the family, mapped to the switches they imply.
 ARCHITECTURE_SWITCHES = {
     "LlamaForCausalLM": {},
-    "MistralForCausalLM": {},
+    "MistralForCausalLM": {"sliding_window": True},
     "Qwen2ForCausalLM": {"attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
 }
@@ -109,59 +109,7 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "LlamaConfig":
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in ARCHITECTURE_SWITCHES:
-            raise ValueError(f"architectures: {arch!r} is not a Llama-family architecture "
-                             f"({sorted(ARCHITECTURE_SWITCHES)})")
-        implied = ARCHITECTURE_SWITCHES[arch]
-        num_heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-        for name, value in (("num_attention_heads", num_heads), ("hidden_size", hidden)):
-            if not _is_int(value) or value <= 0:
-                raise ValueError(f"model config: {name} must be a positive integer, "
-                                 f"got {value!r}")
-        head_dim = cfg.get("head_dim") or hidden // num_heads
-        rope_scaling = cfg.get("rope_scaling") or None
-        rope_theta = cfg.get("rope_theta")
-        rope_params = cfg.get("rope_parameters")  # transformers 5 moves theta/scaling here
-        if isinstance(rope_params, dict):
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = rope_params
-        if rope_scaling is not None:
-            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            if rope_type in (None, "default"):
-                rope_scaling = None
-            elif rope_type != "llama3":
-                raise ValueError(f"unsupported rope_scaling type {rope_type!r}; jaxserve supports "
-                                 "'llama3'")
-            else:
-                keys = ("factor", "low_freq_factor", "high_freq_factor",
-                        "original_max_position_embeddings")
-                rope_scaling = {"rope_type": "llama3", **{k: rope_scaling[k] for k in keys}}
-        eos = cfg.get("eos_token_id", 2)
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=rope_theta if rope_theta is not None else 10000.0,
-            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", implied.get("attention_bias", False)),
-            qk_norm=implied.get("qk_norm", False),
-            sliding_window=sliding if arch == "MistralForCausalLM" else None,
-            bos_token_id=cfg.get("bos_token_id", 1),
-            eos_token_ids=eos_ids,
-            architecture=arch,
-        )
-
+        return cls(**hf_fields(cfg, ARCHITECTURE_SWITCHES))
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, architecture: str) -> "LlamaConfig":
         """A GGUF's llama.cpp metadata (`{general.architecture}.*`); `architecture`: the HF
@@ -229,9 +177,65 @@ class LlamaConfig:
             raise ValueError(f"hf_overrides: {unknown[0]!r} is not a config entry jaxserve "
                              f"reads (it reads {', '.join(sorted(hf))})")
         try:
-            return LlamaConfig.from_hf_dict(hf | overrides)
+            return type(self).from_hf_dict(hf | overrides)
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"hf_overrides: {e}") from None
+
+
+def hf_fields(cfg: dict[str, Any], switches: dict[str, dict[str, bool]]) -> dict[str, Any]:
+    """LlamaConfig's fields from an HF config.json whose architecture is one of `switches`
+    (the switches it implies)."""
+    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in switches:
+        raise ValueError(f"architectures: {arch!r} is not one of {sorted(switches)}")
+    implied = switches[arch]
+    num_heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    for name, value in (("num_attention_heads", num_heads), ("hidden_size", hidden)):
+        if not _is_int(value) or value <= 0:
+            raise ValueError(f"model config: {name} must be a positive integer, "
+                             f"got {value!r}")
+    head_dim = cfg.get("head_dim") or hidden // num_heads
+    rope_scaling = cfg.get("rope_scaling") or None
+    rope_theta = cfg.get("rope_theta")
+    rope_params = cfg.get("rope_parameters")  # transformers 5 moves theta/scaling here
+    if isinstance(rope_params, dict):
+        rope_theta = rope_params.get("rope_theta", rope_theta)
+        if rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+    if rope_scaling is not None:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if rope_type in (None, "default"):
+            rope_scaling = None
+        elif rope_type != "llama3":
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; jaxserve supports "
+                             "'llama3'")
+        else:
+            keys = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+            rope_scaling = {"rope_type": "llama3", **{k: rope_scaling[k] for k in keys}}
+    eos = cfg.get("eos_token_id", 2)
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    return dict(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope_theta=rope_theta if rope_theta is not None else 10000.0,
+        rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=cfg.get("attention_bias", implied.get("attention_bias", False)),
+        qk_norm=implied.get("qk_norm", False),
+        sliding_window=sliding if implied.get("sliding_window") else None,
+        bos_token_id=cfg.get("bos_token_id", 1),
+        eos_token_ids=eos_ids,
+        architecture=arch,
+    )
 
 
 def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -14,6 +14,8 @@ from jaxserve.models import llama_weights
 from jaxserve.models.gguf_file import GGUFFile
 from jaxserve.models.llama import Llama
 from jaxserve.models.llama_config import ARCHITECTURE_SWITCHES, LlamaConfig, param_shapes
+from jaxserve.models.moe import (MIXTRAL_HF_NAMES, QWEN3_MOE_HF_NAMES, MoeConfig, MoeLlama,
+                                 moe_param_shapes)
 from jaxserve.models.weight_names import WeightNames
 
 DEFAULT_HF_ARCHITECTURE = "LlamaForCausalLM"  # a config.json without `architectures`
@@ -25,13 +27,14 @@ class ModelFamily:
     name: str
     config_type: type[LlamaConfig]
     config_from_hf: Callable[[dict[str, Any]], LlamaConfig]  # config.json's entries
-    # a GGUF's metadata, and the HF architecture its general.architecture stands for
-    config_from_gguf: Callable[[GGUFFile, str], LlamaConfig]
     model: type[Llama]
-    param_shapes: Callable[[LlamaConfig], dict[str, tuple[int, ...]]]
+    param_shapes: Callable[[Any], dict[str, tuple[int, ...]]]  # of a config_type
     norm_params: frozenset[str]  # scales of 1 in dummy weights
     hf_names: WeightNames
-    gguf_names: WeightNames
+    # a GGUF's metadata, and the HF architecture its general.architecture stands for (None:
+    # the family is not read from GGUFs)
+    config_from_gguf: Callable[[GGUFFile, str], LlamaConfig] | None = None
+    gguf_names: WeightNames | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +46,23 @@ class GGUFArchitecture:
     interleaved_qk: bool
 
 
+_NORMS = frozenset({"attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm"})
 LLAMA = ModelFamily(
     name="llama", config_type=LlamaConfig, config_from_hf=LlamaConfig.from_hf_dict,
-    config_from_gguf=LlamaConfig.from_gguf, model=Llama, param_shapes=param_shapes,
-    norm_params=frozenset({"attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm"}),
-    hf_names=llama_weights.HF_NAMES, gguf_names=llama_weights.GGUF_NAMES)
+    model=Llama, param_shapes=param_shapes, norm_params=_NORMS,
+    hf_names=llama_weights.HF_NAMES, config_from_gguf=LlamaConfig.from_gguf,
+    gguf_names=llama_weights.GGUF_NAMES)
+QWEN3_MOE = ModelFamily(
+    name="qwen3_moe", config_type=MoeConfig, config_from_hf=MoeConfig.from_hf_dict,
+    model=MoeLlama, param_shapes=moe_param_shapes, norm_params=_NORMS,
+    hf_names=QWEN3_MOE_HF_NAMES)
+MIXTRAL = ModelFamily(
+    name="mixtral", config_type=MoeConfig, config_from_hf=MoeConfig.from_hf_dict,
+    model=MoeLlama, param_shapes=moe_param_shapes, norm_params=_NORMS,
+    hf_names=MIXTRAL_HF_NAMES)
 
-HF_ARCHITECTURES: dict[str, ModelFamily] = {arch: LLAMA for arch in ARCHITECTURE_SWITCHES}
+HF_ARCHITECTURES: dict[str, ModelFamily] = {arch: LLAMA for arch in ARCHITECTURE_SWITCHES} | {
+    "Qwen3MoeForCausalLM": QWEN3_MOE, "MixtralForCausalLM": MIXTRAL}
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture(LLAMA, "LlamaForCausalLM", interleaved_qk=True),
     "qwen2": GGUFArchitecture(LLAMA, "Qwen2ForCausalLM", interleaved_qk=False),

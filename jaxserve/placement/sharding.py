@@ -25,6 +25,9 @@ _SPECS = {
     "wo": P(None, AXIS, None),
     "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS),
     "w_down": P(None, AXIS, None),
+    # each expert's FFN width split as a dense MLP's is; the router is small: on every device
+    "expert_gate": P(None, None, None, AXIS), "expert_up": P(None, None, None, AXIS),
+    "expert_down": P(None, None, AXIS, None),
 }
 
 

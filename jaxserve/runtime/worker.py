@@ -25,7 +25,7 @@ from jaxserve.layers.attention import (
 )
 from jaxserve.models.checkpoint_io import load_converted, read_converted_config
 from jaxserve.models.llama import init_kv_cache, kv_cache_bytes_per_block
-from jaxserve.models.llama_config import LlamaConfig, param_shapes
+from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
 from jaxserve.models.loader import LoadingModel, start_loading, with_hf_overrides
 from jaxserve.models.registry import family_of
@@ -249,7 +249,7 @@ class Worker:
         validate_tensor_parallel(cfg, self.mesh.shape[AXIS])
         target = {name: jax.ShapeDtypeStruct(shape, self.plan.dtype,
                                              sharding=param_sharding(self.mesh, name, shape))
-                  for name, shape in param_shapes(cfg).items()}
+                  for name, shape in family_of(cfg).param_shapes(cfg).items()}
         return with_hf_overrides(load_converted(path, target), self.config.model.hf_overrides)
 
     def _sized_plan(self, backend: AttentionBackend) -> ResolvedPlan:

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from hf_checkpoints import KINDS
+from hf_checkpoints import KINDS, MOE_KINDS
 from jaxserve.models.gguf_file import GGUFFile
 from jaxserve.models.hf_loader import load_hf
-from jaxserve.models.registry import (HF_ARCHITECTURES, LLAMA, config_from_hf, family_of,
-                                      gguf_architecture)
+from jaxserve.models.registry import (HF_ARCHITECTURES, LLAMA, MIXTRAL, QWEN3_MOE,
+                                      config_from_hf, family_of, gguf_architecture)
 
 
 def test_an_unknown_hf_architecture_names_the_field_and_the_supported_ones():
@@ -33,20 +33,21 @@ def test_an_unknown_gguf_architecture_names_the_field_and_the_supported_ones():
         gguf_architecture(gguf_named("falcon"))
 
 
-def test_every_supported_architecture_is_a_llama_family_one_today():
-    assert set(HF_ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM",
-                                     "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+def test_the_supported_architectures_and_their_families():
+    assert HF_ARCHITECTURES == {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": LLAMA,
+                                "Qwen2ForCausalLM": LLAMA, "Qwen3ForCausalLM": LLAMA,
+                                "Qwen3MoeForCausalLM": QWEN3_MOE, "MixtralForCausalLM": MIXTRAL}
     assert {gguf_architecture(gguf_named(a)).family for a in ("llama", "qwen2", "qwen3")} == \
         {LLAMA}
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + MOE_KINDS)
 def test_hf_names_write_back_the_tensors_transformers_saved(hf_checkpoint, kind):
     path = hf_checkpoint(kind)
     saved = load_file(str(path / "model.safetensors"))
     loaded = load_hf(path)
     names = family_of(loaded.config).hf_names
-    written = dict(names.checkpoint_tensors(loaded.params, loaded.config.num_layers))
+    written = dict(names.checkpoint_tensors(loaded.params))
     if loaded.config.tie_word_embeddings:
         saved.pop("lm_head.weight", None)
     assert sorted(written) == sorted(saved)
