@@ -71,7 +71,7 @@ def time_buckets(preset: Path, layers: int | None, buckets: str | None, num_kv_b
     worker = llm.engine.core.executor.worker
     runner, config, plan = worker.runner, llm.engine.config, worker.plan
     tp = config.parallel.tensor_parallel_size
-    cfg = device_model_config(worker.model.cfg, tp)
+    cfg = device_model_config(worker.model.cfg, tp, False)  # the worker's: already as held
     chip = chip_of(jax.devices()[0].device_kind)
     weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.params))
     rows = []

@@ -40,7 +40,8 @@ from jaxserve.placement.device_memory import (GPU_PLANNING_FRACTION, allocator_f
 from jaxserve.placement.mesh import tp_mesh
 from jaxserve.programs.resolved import ResolvedPlan, resolve_plan
 from jaxserve.placement.sharding import (AXIS, padded_vocab_size,
-                                           param_sharding, validate_tensor_parallel)
+                                           param_sharding, validate_tensor_parallel,
+                                           with_expert_parallel)
 from jaxserve.placement.targets import Chip, Target
 from jaxserve.programs.draft_model import FIELD as DRAFT_FIELD, check_draft, read_draft_config
 from jaxserve.programs.step_program import (ModelParts, StepProgram, kv_blocks_for,
@@ -48,9 +49,11 @@ from jaxserve.programs.step_program import (ModelParts, StepProgram, kv_blocks_f
 from jaxserve.programs.step_shapes import step_variants
 
 # ---- the abstract model --------------------------------------------------------------------
-def device_model_config(cfg: LlamaConfig, tp: int) -> LlamaConfig:
-    """The model as the devices hold it: KV heads duplicated when TP exceeds their count."""
+def device_model_config(cfg: LlamaConfig, tp: int, expert_parallel: bool) -> LlamaConfig:
+    """The model as the devices hold it: KV heads duplicated when TP exceeds their count,
+    whole experts split over the devices under expert parallelism."""
     validate_tensor_parallel(cfg, tp)
+    cfg = with_expert_parallel(cfg, expert_parallel, tp)
     return cfg.replace(num_kv_heads=tp) if tp > cfg.num_kv_heads else cfg
 
 
@@ -72,7 +75,8 @@ def abstract_model(cfg: LlamaConfig, mesh: Mesh, dtype: Any,
         names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
         name = next(n for n in reversed(names) if isinstance(n, str) and n != "value")
         one_layer = "layers" in names and not scan_layers  # a slice of a stacked weight
-        spec = param_sharding(mesh, name, (1, *leaf.shape) if one_layer else leaf.shape).spec
+        spec = param_sharding(mesh, name, (1, *leaf.shape) if one_layer else leaf.shape,
+                              cfg).spec
         spec = P(*spec[1:]) if one_layer else spec
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
 
@@ -88,7 +92,8 @@ def device_draft_config(config: EngineConfig, target: LlamaConfig,
         return None
     check_draft(draft, target, max_model_len)
     try:
-        return device_model_config(draft, config.parallel.tensor_parallel_size)
+        # a draft's experts, if it has any, split by width: EP is the target's
+        return device_model_config(draft, config.parallel.tensor_parallel_size, False)
     except ValueError as e:
         raise ValueError(f"{DRAFT_FIELD}: {e}") from None
 
@@ -227,7 +232,7 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
     if tp > len(target.devices):
         raise ValueError(f"tensor_parallel_size {tp} needs {tp} devices; {target.name} has "
                          f"{len(target.devices)}")
-    cfg = device_model_config(cfg, tp)
+    cfg = device_model_config(cfg, tp, config.parallel.enable_expert_parallel)
     mesh = tp_mesh(list(target.devices[:tp]))
     plan = resolve_plan(config, cfg, target.platform, mesh)
     bs, dtype = plan.block_size, plan.dtype
@@ -283,7 +288,8 @@ def check(target: Target, cfg: LlamaConfig, config: EngineConfig,
     `dump_hlo`: a directory to write each compiled program's HLO text to."""
     program, report, plan = prepare(target, cfg, config, kv_write, attention_tiles)
     tp = config.parallel.tensor_parallel_size
-    context = CostContext(target.chip, device_model_config(cfg, tp), tp, report.weight_bytes,
+    context = CostContext(target.chip, device_model_config(
+        cfg, tp, config.parallel.enable_expert_parallel), tp, report.weight_bytes,
                           plan.dtype.itemsize, padded_vocab_size(cfg.vocab_size, tp),
                           plan.max_model_len, plan.token_buckets)
     for T, R in buckets or plan.bucket_pairs:

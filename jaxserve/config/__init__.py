@@ -111,6 +111,9 @@ class ParallelConfig:
     process_id: int | None = None
     distributed_timeout_s: int = 120
     devices: list[int] | None = None  # indices into jax.devices() to run on; default: all
+    # A mixture of experts' experts split whole over the TP devices (vLLM's name), instead of
+    # each expert's width
+    enable_expert_parallel: bool = False
     # Separate prefill and decode engines with KV transfer (docs/disaggregation.md): a mapping,
     # or JSON/YAML text or a YAML file path (the CLI's --disaggregation); validated into a
     # DisaggregationConfig.

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata
 from jaxserve.layers.attention_block import AttentionShape, attention_block
@@ -132,10 +133,10 @@ class Llama(nnx.Module):
                                               collective, shape)
         x = x + o
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        return x + self._mlp(h, w, collective), k_cache, v_cache
+        return x + self._mlp(h, w, collective, backend.mesh), k_cache, v_cache
 
-    def _mlp(self, h: jax.Array, w: dict[str, jax.Array],
-             collective: CollectiveMatmul | None) -> jax.Array:  # [T, D] normed -> [T, D]
+    def _mlp(self, h: jax.Array, w: dict[str, jax.Array], collective: CollectiveMatmul | None,
+             mesh: Mesh | None) -> jax.Array:  # [T, D] normed -> [T, D]; `mesh`: the weights'
         return gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], collective)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> f32[N, V]

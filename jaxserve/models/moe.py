@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
+from jaxserve.layers.axes import AXIS
 from jaxserve.layers.collective_matmul import CollectiveMatmul
-from jaxserve.layers.moe import moe_mlp
+from jaxserve.layers.moe import expert_parallel_moe, moe_mlp
 from jaxserve.models import llama_weights
 from jaxserve.models.llama import Llama
 from jaxserve.models.llama_config import LlamaConfig, hf_fields, param_shapes
@@ -32,6 +34,8 @@ class MoeConfig(LlamaConfig):
     num_experts_per_tok: int = 1  # k: the experts each token's router picks
     moe_intermediate_size: int = 1  # each expert's FFN width
     norm_topk_prob: bool = True  # the k weights renormalised to sum to 1
+    # As the devices hold it (enable_expert_parallel): num_experts / TP whole experts each
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,7 +109,10 @@ MIXTRAL_HF_NAMES = _hf_names("block_sparse_moe", "w1", "w3", "w2")
 class MoeLlama(Llama):
     cfg: MoeConfig
 
-    def _mlp(self, h: jax.Array, w: dict[str, jax.Array],
-             collective: CollectiveMatmul | None) -> jax.Array:
-        return moe_mlp(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
-                       self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+    def _mlp(self, h: jax.Array, w: dict[str, jax.Array], collective: CollectiveMatmul | None,
+             mesh: Mesh | None) -> jax.Array:
+        args = (h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
+                self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        if self.cfg.expert_parallel and mesh is not None and mesh.shape[AXIS] > 1:
+            return expert_parallel_moe(*args, mesh)
+        return moe_mlp(*args)

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.layers.axes import AXIS
 from jaxserve.models.llama_config import LlamaConfig
+from jaxserve.models.moe import MoeConfig
 from jaxserve.placement.mesh import place
 
 _SPECS = {
@@ -29,6 +30,22 @@ _SPECS = {
     "expert_gate": P(None, None, None, AXIS), "expert_up": P(None, None, None, AXIS),
     "expert_down": P(None, None, AXIS, None),
 }
+# Expert parallelism: whole experts split over the devices instead
+_EXPERT_PARALLEL_SPECS = dict.fromkeys(("expert_gate", "expert_up", "expert_down"),
+                                       P(None, AXIS, None, None))
+
+
+def with_expert_parallel(cfg: LlamaConfig, enabled: bool, tp: int) -> LlamaConfig:
+    """The config as the devices hold it under `enable_expert_parallel`: num_experts / TP whole
+    experts on each device."""
+    if not enabled:
+        return cfg
+    if not isinstance(cfg, MoeConfig):
+        raise ValueError(f"enable_expert_parallel: {cfg.architecture} has no experts")
+    if cfg.num_experts % tp:
+        raise ValueError(f"enable_expert_parallel: tensor_parallel_size {tp} must divide "
+                         f"num_experts ({cfg.num_experts})")
+    return cfg.replace(expert_parallel=True)
 
 
 def validate_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
@@ -72,8 +89,10 @@ def pad_vocab(params: dict[str, np.ndarray], vocab_size: int, tp: int) -> dict[s
     return out
 
 
-def param_sharding(mesh: Mesh, name: str, shape: tuple[int, ...]) -> NamedSharding:
-    spec = _SPECS.get(name, P())
+def param_sharding(mesh: Mesh, name: str, shape: tuple[int, ...],
+                   cfg: LlamaConfig) -> NamedSharding:
+    expert_parallel = isinstance(cfg, MoeConfig) and cfg.expert_parallel
+    spec = (_EXPERT_PARALLEL_SPECS if expert_parallel else _SPECS).get(name, _SPECS.get(name, P()))
     tp = mesh.shape[AXIS]
     if any(axis is not None and shape[dim] % tp for dim, axis in enumerate(spec)):
         spec = P()  # e.g. an FFN width that TP does not divide: replicated, still correct
@@ -93,5 +112,5 @@ def shard_params(cfg: LlamaConfig, params: dict[str, np.ndarray], mesh: Mesh, dt
     cfg, params = expand_kv_heads(cfg, params, tp)
     params = pad_vocab(params, cfg.vocab_size, tp)
     host_dtype = np.dtype(dtype)
-    return cfg, {name: place(np.asarray(w, host_dtype), param_sharding(mesh, name, w.shape))
+    return cfg, {name: place(np.asarray(w, host_dtype), param_sharding(mesh, name, w.shape, cfg))
                  for name, w in params.items()}

@@ -41,6 +41,7 @@ from jaxserve.placement.sharding import (
     param_sharding,
     shard_params,
     validate_tensor_parallel,
+    with_expert_parallel,
 )
 from jaxserve.programs.draft_model import FIELD as DRAFT_FIELD, load_draft, place_draft
 from jaxserve.programs.step_program import (ModelParts, kv_blocks_for, largest_step_bytes,
@@ -124,13 +125,14 @@ class Worker:
         programs = (None if config.runner.compiled_dir is None  # loading beside the weights
                     else self._read_compiled(config.runner.compiled_dir, checkpoint))
         self.loaded = loading.result() if isinstance(loading, LoadingModel) else loading
+        cfg = with_expert_parallel(self.loaded.config, config.parallel.enable_expert_parallel,
+                                   self.mesh.shape[AXIS])
         if restored or host_placed:
             # Host arrays: the model slices and places them on this process's one device
             # itself (under default_device below), with no jax operation to compile at start.
-            cfg, placed = self.loaded.config, self.loaded.params
+            placed = self.loaded.params
         else:
-            cfg, placed = shard_params(self.loaded.config, self.loaded.params, self.mesh,
-                                       self.plan.dtype)
+            cfg, placed = shard_params(cfg, self.loaded.params, self.mesh, self.plan.dtype)
         self.model_config = cfg
         backend = get_attention_backend(config.runner.attention_backend, platform, self.mesh,
                                         decode_rows=1 + self.plan.num_speculative_tokens)
@@ -248,7 +250,7 @@ class Worker:
         `cfg`: the checkpoint's (`converted_config`)."""
         validate_tensor_parallel(cfg, self.mesh.shape[AXIS])
         target = {name: jax.ShapeDtypeStruct(shape, self.plan.dtype,
-                                             sharding=param_sharding(self.mesh, name, shape))
+                                             sharding=param_sharding(self.mesh, name, shape, cfg))
                   for name, shape in family_of(cfg).param_shapes(cfg).items()}
         return with_hf_overrides(load_converted(path, target), self.config.model.hf_overrides)
 

@@ -13,6 +13,7 @@ from engine_helpers import FEW_BUCKETS, SMALL_ENGINE, assert_no_leaks, hf_greedy
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.loader import load_model
 from jaxserve.models.moe import MoeConfig
+from jaxserve.placement.sharding import with_expert_parallel
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -53,6 +54,8 @@ def test_greedy_tokens_equal_hf_when_requests_are_preempted(hf_checkpoint, compi
 @pytest.mark.parametrize("engine", [
     pytest.param({"attention_backend": "pallas_interpret"} | FEW_BUCKETS, id="pallas_interpret"),
     pytest.param({"tensor_parallel_size": 2}, id="tp2"),
+    pytest.param({"tensor_parallel_size": 2, "enable_expert_parallel": True}, id="ep2"),
+    pytest.param({"tensor_parallel_size": 4, "enable_expert_parallel": True}, id="ep4"),
 ])
 def test_greedy_tokens_equal_hf_on_other_backends_and_meshes(hf_checkpoint, compile_cache_dir,
                                                              engine):
@@ -103,3 +106,16 @@ def test_configs_read_each_families_expert_fields(hf_checkpoint):
             mixtral.norm_topk_prob, mixtral.qk_norm) == (4, 2, 32, True, False)
     # hf_overrides rebuild the config through its own family
     assert qwen.with_hf_overrides({"num_experts_per_tok": 1}).num_experts_per_tok == 1
+
+
+def test_expert_parallelism_needs_experts_that_tp_divides(hf_checkpoint):
+    with pytest.raises(ValueError, match=r"enable_expert_parallel: LlamaForCausalLM has no "
+                                         r"experts"):
+        LLM(str(hf_checkpoint("llama")), tensor_parallel_size=2, enable_expert_parallel=True,
+            **SMALL_ENGINE)
+    six = load_model(str(hf_checkpoint("mixtral"))).config.replace(num_experts=6)
+    with pytest.raises(ValueError, match=r"enable_expert_parallel: tensor_parallel_size 4 must "
+                                         r"divide num_experts \(6\)"):
+        with_expert_parallel(six, True, 4)
+    assert with_expert_parallel(six, True, 3).expert_parallel
+    assert with_expert_parallel(six, False, 4) is six

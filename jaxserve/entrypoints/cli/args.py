@@ -79,6 +79,9 @@ HELP = {
                                     "residual sharded by rows (default: on TPU/GPU, from where "
                                     "that is faster on the chip; off on CPU)",
     "tensor_parallel_size": "devices each model is sharded over",
+    "enable_expert_parallel": "split a mixture of experts' experts whole over the tensor-"
+                              "parallel devices (expert parallelism) instead of each "
+                              "expert's width",
     "data_parallel_size_local": "model replicas in this process",
     "data_parallel_size": "model replicas (vLLM's name; here all run in this process)",
     "coordinator_address": "multi-host: host:port of process 0 (jax.distributed)",
