@@ -27,11 +27,13 @@ from jaxserve.kernels.gpu.ragged_paged_attention import hbm_traffic as gpu_atten
 from jaxserve.kernels.tpu.ragged_paged_attention import KERNEL as TPU_ATTENTION
 from jaxserve.kernels.tpu.ragged_paged_attention import hbm_traffic as tpu_attention_traffic
 from jaxserve.kernels.traffic import KernelTraffic, RaggedBatch
+from jaxserve.layers.moe import EXPERTS_SCOPE, hbm_traffic as grouped_matmul_traffic
 from jaxserve.placement.targets import Chip
 
 KernelModel = Callable[[str, list[tuple[tuple[int, ...], int]], RaggedBatch], KernelTraffic]
 KERNEL_MODELS: dict[str, KernelModel] = {TPU_ATTENTION: tpu_attention_traffic,
-                                         GPU_ATTENTION: gpu_attention_traffic}
+                                         GPU_ATTENTION: gpu_attention_traffic,
+                                         EXPERTS_SCOPE: grouped_matmul_traffic}
 FREE_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
             "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain",
             "copy-done", "send-done", "recv-done"}
@@ -338,6 +340,7 @@ class _Walker:
         traffic = model(name, operands, self.batch)
         cost.kv_read += traffic.kv_read
         cost.kv_write += traffic.kv_write
+        cost.weights += traffic.weights
         cost.flops += traffic.flops
         for j, name in enumerate(instr.operands):
             if j not in traffic.manual_operands:

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxserve.kernels.traffic import RaggedBatch, visible_range
 from jaxserve.models.llama_config import LlamaConfig
+from jaxserve.models.moe import MoeConfig
 from jaxserve.placement.targets import Chip
 from jaxserve.programs.input_batch import StepArrays
 
@@ -98,11 +99,22 @@ def step_floor(cfg: LlamaConfig, tp: int, weight_bytes: int, itemsize: int,
         start += q_len
     tables = embed if cfg.tie_word_embeddings else 2 * embed
     dense = (weight_bytes - tables) // itemsize  # every layer's weights
-    dense_flops = 2 * tokens * dense + 2 * rows * (embed // itemsize)
+    # A mixture's experts: each token runs k of them (on whichever devices hold them: per
+    # device 1/tp of the work, split by width or by experts); a step reads the experts its
+    # tokens are routed to, at most all of them.
+    experts = untouched = expert_flops = 0
+    if isinstance(cfg, MoeConfig):
+        experts = (cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size
+                   * cfg.moe_intermediate_size // tp)
+        pairs = tokens * cfg.num_experts_per_tok
+        untouched = experts * max(0, cfg.num_experts - pairs) // cfg.num_experts
+        expert_flops = 2 * pairs * experts // cfg.num_experts
+    dense_flops = 2 * tokens * (dense - experts) + expert_flops + 2 * rows * (embed // itemsize)
     attention_flops = 2 * 2 * attention_macs * cfg.head_dim * cfg.num_heads // tp * cfg.num_layers
     flops = dense_flops + attention_flops
     # the LM head whole, the embedding's looked-up rows only (a tied one is the head)
-    weights = weight_bytes - tables + embed + tokens * cfg.hidden_size * itemsize // tp
+    weights = (weight_bytes - tables - untouched * itemsize + embed
+               + tokens * cfg.hidden_size * itemsize // tp)
     kv_read, kv_write = visible * kv_token, tokens * kv_token
     logits = rows * vocab_size // tp * 4
     bandwidth, peak = chip.hbm_bandwidth, chip.bf16_flops

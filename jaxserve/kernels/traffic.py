@@ -41,6 +41,7 @@ class KernelTraffic:
     manual_operands: tuple[int, ...]  # indices of the operands counted here
     kv_read: float = 0.0
     kv_write: float = 0.0
+    weights: float = 0.0  # of the model's params (a grouped matmul's experts)
     flops: float = 0.0
 
 

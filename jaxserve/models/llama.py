@@ -42,6 +42,10 @@ DENSE_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 class Llama(nnx.Module):
     """Holds the weights as `nnx.Param`s; `__call__` is a pure function of them."""
 
+    # Scanned, the layer gets these params as their whole stack, to index itself: an op that
+    # cannot take a slice of its operand in place (a custom call) would have XLA copy the slice.
+    WHOLE_STACK_PARAMS: frozenset[str] = frozenset()
+
     def __init__(self, cfg: LlamaConfig, params: dict[str, Any], dtype: Any = jnp.float32,
                  scan_layers: bool = False, rotary_lookup: bool = False,
                  max_positions: int | None = None):
@@ -105,7 +109,8 @@ class Llama(nnx.Module):
             # laid out anew, copying the weights (1.9 GiB of temporaries at Llama-3-8B).
             stacked = {name: p[...] for name, p in self.layers.items()}
             carry, _ = jax.lax.scan(
-                lambda c, i: (layer(c, {name: w[i] for name, w in stacked.items()}, i), None),
+                lambda c, i: (layer(c, {name: w if name in self.WHOLE_STACK_PARAMS else w[i]
+                                        for name, w in stacked.items()}, i), None),
                 carry, jnp.arange(depth, dtype=jnp.int32))
         else:
             for index, params in enumerate(self.layers[:depth]):
@@ -133,9 +138,10 @@ class Llama(nnx.Module):
                                               collective, shape)
         x = x + o
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        return x + self._mlp(h, w, collective, backend.mesh), k_cache, v_cache
+        return x + self._mlp(h, w, index, collective, backend.mesh), k_cache, v_cache
 
-    def _mlp(self, h: jax.Array, w: dict[str, jax.Array], collective: CollectiveMatmul | None,
+    def _mlp(self, h: jax.Array, w: dict[str, jax.Array], layer: int | jax.Array,
+             collective: CollectiveMatmul | None,
              mesh: Mesh | None) -> jax.Array:  # [T, D] normed -> [T, D]; `mesh`: the weights'
         return gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"], collective)
 

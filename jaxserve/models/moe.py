@@ -108,11 +108,13 @@ MIXTRAL_HF_NAMES = _hf_names("block_sparse_moe", "w1", "w3", "w2")
 
 class MoeLlama(Llama):
     cfg: MoeConfig
+    # the grouped matmuls take the experts of every layer and pick this layer's groups
+    WHOLE_STACK_PARAMS = frozenset({"expert_gate", "expert_up", "expert_down"})
 
-    def _mlp(self, h: jax.Array, w: dict[str, jax.Array], collective: CollectiveMatmul | None,
-             mesh: Mesh | None) -> jax.Array:
+    def _mlp(self, h: jax.Array, w: dict[str, jax.Array], layer: int | jax.Array,
+             collective: CollectiveMatmul | None, mesh: Mesh | None) -> jax.Array:
         args = (h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
-                self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+                self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, layer)
         if self.cfg.expert_parallel and mesh is not None and mesh.shape[AXIS] > 1:
             return expert_parallel_moe(*args, mesh)
         return moe_mlp(*args)

@@ -6,6 +6,7 @@ import pytest
 from jaxserve.compilation.step_floor import step_floor
 from jaxserve.kernels.traffic import RaggedBatch
 from jaxserve.models.llama_config import LlamaConfig
+from jaxserve.models.moe import MoeConfig
 from jaxserve.placement.targets import Chip
 
 CFG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -46,3 +47,29 @@ def test_taking_turns_costs_only_where_one_phase_is_compute_bound_and_the_other_
     kv_bytes = mixed.kv_read + mixed.kv_write
     assert mixed.sequential_seconds == pytest.approx(dense_flops / 3e3 + kv_bytes / 1e3)
     assert mixed.sequential_seconds > mixed.seconds
+
+
+# The same model as a mixture: its MLP is 8 experts of width 32, each token routed to 2.
+MOE = MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, architecture="MixtralForCausalLM")
+EXPERTS = 2 * 8 * 3 * 64 * 32  # elements: layers, experts, gate/up/down
+OTHER = DENSE - 2 * 3 * 64 * 128 + 2 * 64 * 8  # less the dense MLPs, plus the routers
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_mixture_reads_and_runs_only_the_experts_its_tokens_are_routed_to(tp):
+    """One decode token reaches 2 of the 8 experts; five tokens (10 pairs) may reach them all.
+    Per device, 1/tp of the experts' bytes and work (split by width or by experts)."""
+    weight_bytes = 2 * (OTHER // tp + EXPERTS // tp) + 2 * EMBED // tp
+
+    def at(batch: RaggedBatch):
+        return step_floor(MOE, tp, weight_bytes, 2, batch, 256, chip(1e4))
+
+    one, five = at(RaggedBatch((1,), (10,))), at(BATCH)
+    assert one.weights == 2 * (OTHER // tp + EXPERTS // tp * 2 // 8) + EMBED // tp + 64 * 2 // tp
+    assert five.weights == 2 * (OTHER // tp + EXPERTS // tp) + EMBED // tp + 5 * 64 * 2 // tp
+    # per token its share of every other weight, per pair one expert's (2 flops a weight),
+    # the LM head per request, and attention (10 visible positions, 4 q heads, 2 layers)
+    head, attention = 2 * 256 * 64 // tp, 2 * 2 * 10 * 16 * (4 // tp) * 2
+    assert one.flops == 2 * (OTHER // tp) + 2 * 2 * (EXPERTS // tp) // 8 + head + attention

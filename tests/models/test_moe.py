@@ -56,6 +56,10 @@ def test_greedy_tokens_equal_hf_when_requests_are_preempted(hf_checkpoint, compi
     pytest.param({"tensor_parallel_size": 2}, id="tp2"),
     pytest.param({"tensor_parallel_size": 2, "enable_expert_parallel": True}, id="ep2"),
     pytest.param({"tensor_parallel_size": 4, "enable_expert_parallel": True}, id="ep4"),
+    # scanned layers (TPU's default): the grouped matmuls over every layer's experts
+    pytest.param({"scan_layers": True}, id="scanned"),
+    pytest.param({"tensor_parallel_size": 2, "enable_expert_parallel": True,
+                  "scan_layers": True}, id="ep2-scanned"),
 ])
 def test_greedy_tokens_equal_hf_on_other_backends_and_meshes(hf_checkpoint, compile_cache_dir,
                                                              engine):
