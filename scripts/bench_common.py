@@ -140,16 +140,18 @@ def find_stories() -> Path | None:
     return None
 
 
-def dummy_hf_checkpoint(out_dir: Path | None = None, seed: int = 0) -> Path:
-    """configs/models/dummy-30m with random weights (transformers' own init), saved once with
-    `save_pretrained` so that HF and jaxserve load the very same weights."""
-    out_dir = out_dir or CACHE_DIR / f"dummy-30m-hf-s{seed}"
+def dummy_hf_checkpoint(out_dir: Path | None = None, seed: int = 0,
+                        name: str = "dummy-30m") -> Path:
+    """configs/models/`name` (dummy-30m, or dummy-moe: 8 experts, top 2, ~115M) with random
+    weights (transformers' own init), saved once with `save_pretrained` so that HF and
+    jaxserve load the very same weights."""
+    out_dir = out_dir or CACHE_DIR / f"{name}-hf-s{seed}"
     if (out_dir / "model.safetensors").is_file():
         return out_dir
     import torch
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(str(DUMMY_CONFIG_DIR))
+    config = transformers.AutoConfig.from_pretrained(str(DUMMY_CONFIG_DIR.parent / name))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(out_dir))

@@ -25,14 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import REPO_ROOT, RESULTS_DIR, markdown_table, write_result  # noqa: E402
 
 SHARED_GPU = REPO_ROOT.parent / "shared" / "gpu_targets"
-LLAMA3_8B = REPO_ROOT / "configs" / "models" / "llama-3-8b"
+MODELS = REPO_ROOT / "configs" / "models"
+# preset (configs/engine/<preset>.yaml) -> its target and model (public architecture numbers)
 TARGETS = {
-    "tpu-v5e-llama3-8b": "v5e:2x2",
-    "tpu-v6e-llama3-8b": "v6e:2x2",
-    "tpu-v5p-llama3-8b": "v5p:2x2x1",
-    "tpu-tpu7x-llama3-8b": "tpu7x:2x2x1",
-    "h100-llama3-8b": str(SHARED_GPU / "h100_sxm.txtpb"),
-    "h200-llama3-8b": str(SHARED_GPU / "h200.txtpb"),
+    "tpu-v5e-llama3-8b": ("v5e:2x2", "llama-3-8b"),
+    "tpu-v6e-llama3-8b": ("v6e:2x2", "llama-3-8b"),
+    "tpu-v5p-llama3-8b": ("v5p:2x2x1", "llama-3-8b"),
+    "tpu-tpu7x-llama3-8b": ("tpu7x:2x2x1", "llama-3-8b"),
+    "h100-llama3-8b": (str(SHARED_GPU / "h100_sxm.txtpb"), "llama-3-8b"),
+    "h200-llama3-8b": (str(SHARED_GPU / "h200.txtpb"), "llama-3-8b"),
+    "tpu-v6e-qwen3-30b-a3b": ("v6e:2x2", "qwen3-30b-a3b"),
+    "h200-qwen3-30b-a3b": (str(SHARED_GPU / "h200.txtpb"), "qwen3-30b-a3b"),
+    "tpu-v5p-mixtral-8x7b": ("v5p:2x2x1", "mixtral-8x7b"),
 }
 GIB = 2**30
 
@@ -44,12 +48,13 @@ def run_preset(name: str, num_layers: int | None, out_dir: Path = RESULTS_DIR / 
     if not python.exists():
         return None, 0.0, (f"{python.parent.parent.name} absent "
                            f"(scripts/setup_compile_venvs.sh {platform})")
-    if platform == "gpu" and not Path(TARGETS[name]).exists():
-        return None, 0.0, f"{TARGETS[name]} absent"
+    target, model = TARGETS[name]
+    if platform == "gpu" and not Path(target).exists():
+        return None, 0.0, f"{target} absent"
     out = out_dir / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [str(python), "-m", "jaxserve.entrypoints.cli.main", "compile-check", str(LLAMA3_8B),
-           "--target", TARGETS[name], "--config",
+    cmd = [str(python), "-m", "jaxserve.entrypoints.cli.main", "compile-check", str(MODELS / model),
+           "--target", target, "--config",
            str(REPO_ROOT / "configs" / "engine" / f"{name}.yaml"), "--json", str(out)]
     if num_layers:
         cmd += ["--num-layers", str(num_layers)]
@@ -73,7 +78,7 @@ def scenario_costs(path: Path) -> dict[tuple[int, int, str], dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=list(TARGETS))
-    p.add_argument("--num-layers", type=int, default=None, help="default: the model's 32")
+    p.add_argument("--num-layers", type=int, default=None, help="default: the model's")
     p.add_argument("--before", action="store_true",
                    help="only write the reports to results/compile_check/before/ (run from a "
                         "checkout of the code before a change, with this cost model in it)")
@@ -129,8 +134,11 @@ def main() -> int:
                     "n/a" if was is None else
                     f"{was['modelled_seconds'] * 1e3:.2f} / {was['ratio']:.2f}"])
     body = (
-        "Llama-3-8B width (4096 hidden, 14336 FFN, 32 q / 8 KV heads, vocab 128,256), bf16, "
-        "abstract weights, each preset's own engine arguments; KV pool sized from the memory "
+        "Each preset's model at its public architecture numbers (configs/models: Llama-3-8B "
+        "width, 4096 hidden, 14336 FFN, 32 q / 8 KV heads, vocab 128,256; Qwen3-30B-A3B, 48 "
+        "layers of 128 experts, top 8; Mixtral-8x7B, 32 layers of 8 experts, top 2), bf16, "
+        "abstract weights, each preset's own engine arguments (the mixtures' TPU presets split "
+        "their experts whole over the devices: enable_expert_parallel); KV pool sized from the memory "
         "the engine plans into (TPU: HBM as libtpu reports it x gpu_memory_utilization; GPU: "
         "XLA:GPU's 80%) minus weights and the largest step's own bytes. Layers are scanned on "
         "TPU, unrolled on GPU (XLA:GPU copies a scanned layer's weights: modelled 2.0x the "

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import REPO_ROOT, dummy_hf_checkpoint, markdown_table, write_result  # noqa: E402
-from bench_compile_check import LLAMA3_8B, TARGETS  # noqa: E402
+from bench_compile_check import MODELS, TARGETS  # noqa: E402
 
 SHIPPED = REPO_ROOT / "jaxserve" / "assets" / "default_model"
 CHILD = """
@@ -105,13 +105,13 @@ def deviceless(cmd: list[str], platform: str) -> float:
 
 def target_rows() -> tuple[list[list[object]], list[list[object]]]:
     sets, depth = [], []
-    for name, target in TARGETS.items():
+    for name, (target, model) in TARGETS.items():
         platform = "tpu" if name.startswith("tpu") else "gpu"
-        if not (REPO_ROOT / f".venv-{platform}").exists():
+        if not (REPO_ROOT / f".venv-{platform}").exists() or model != "llama-3-8b":
             continue
         preset = REPO_ROOT / "configs" / "engine" / f"{name}.yaml"
         with tempfile.TemporaryDirectory() as out:
-            secs = deviceless(["compile", str(LLAMA3_8B), "--target", target, "--config",
+            secs = deviceless(["compile", str(MODELS / model), "--target", target, "--config",
                                str(preset), "--out", out], platform)
             manifest = json.loads((Path(out) / "manifest.json").read_text())
         sets.append([name, target, len(manifest["programs"]),
@@ -120,8 +120,8 @@ def target_rows() -> tuple[list[list[object]], list[list[object]]]:
     for layers in (4, 8, 32):
         with tempfile.TemporaryDirectory() as out:
             report = Path(out) / "report.json"
-            deviceless(["compile-check", str(LLAMA3_8B), "--target", "v5e:2x2", "--config",
-                        str(v5e), "--num-layers", str(layers), "--buckets", "256:256",
+            deviceless(["compile-check", str(MODELS / "llama-3-8b"), "--target", "v5e:2x2",
+                        "--config", str(v5e), "--num-layers", str(layers), "--buckets", "256:256",
                         "--num-kv-blocks", "4096", "--json", str(report)], "tpu")
             secs = json.loads(report.read_text())["buckets"][0]["compile_seconds"]
         depth.append([layers, f"{secs:.1f}"])

@@ -8,7 +8,7 @@ HF uses whichever torch thread count (1 or 2) a short probe finds faster: on a b
 machine, 2 OpenMP threads can be 5-10x slower than 1. Start-up work is excluded for everyone:
 jaxserve precompiles, HF warms up.
 
-    python scripts/bench_throughput_vs_hf.py [--models dummy-30m,stories260k]
+    python scripts/bench_throughput_vs_hf.py [--models dummy-30m,dummy-moe,stories260k]
     python scripts/bench_throughput_vs_hf.py --suite large-batch   # concurrency 64, HF B=32/64
 
 Suites: `default` (mixed and decode-heavy at a per-model concurrency of 8 or 16) and
@@ -41,12 +41,14 @@ MODEL_DEFAULTS = {
     "default": {
         "dummy-30m": dict(mixed_requests=16, decode_requests=8, max_num_seqs=8,
                           hf_batch_sizes=[4, 8]),
+        "dummy-moe": dict(mixed_requests=16, decode_requests=8, max_num_seqs=8,
+                          hf_batch_sizes=[4, 8]),
         "stories260k": dict(mixed_requests=48, decode_requests=32, max_num_seqs=16,
                             hf_batch_sizes=[4, 8, 16]),
     },
     "large-batch": {
         name: dict(mixed_requests=64, decode_requests=32, max_num_seqs=64, hf_batch_sizes=[32, 64])
-        for name in ("dummy-30m", "stories260k")},
+        for name in ("dummy-30m", "dummy-moe", "stories260k")},
 }
 # 64 sequences of up to 512 tokens fit without preemption.
 SUITE_ENGINE_ARGS = {"default": {}, "large-batch": {"num_kv_blocks": 2048}}
@@ -239,7 +241,7 @@ def bench_model(name: str, hf_dir: Path, cli: argparse.Namespace) -> tuple[list,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="dummy-30m,stories260k")
+    p.add_argument("--models", default="dummy-30m,dummy-moe,stories260k")
     p.add_argument("--suite", choices=list(MODEL_DEFAULTS), default="default")
     p.add_argument("--workloads", default=None,
                    help="default: all of the suite's (mixed,decode-heavy; large-batch adds "
@@ -260,8 +262,8 @@ def main() -> None:
     args.workloads = (args.workloads or "mixed,shared-prefix,decode-heavy,varied").split(",")
     summary, detail = [], []
     for name in args.models.split(","):
-        if name == "dummy-30m":
-            hf_dir = dummy_hf_checkpoint()
+        if name in ("dummy-30m", "dummy-moe"):
+            hf_dir = dummy_hf_checkpoint(name=name)
         elif name == "stories260k":
             stories = find_stories()
             if stories is None:
@@ -269,7 +271,8 @@ def main() -> None:
                 continue
             hf_dir = stories_hf_checkpoint(stories)
         else:
-            raise ValueError(f"--models: unknown model {name!r} (dummy-30m, stories260k)")
+            raise ValueError(f"--models: unknown model {name!r} (dummy-30m, dummy-moe, "
+                             "stories260k)")
         s, d = bench_model(name, hf_dir, args)
         summary += s
         detail += d
