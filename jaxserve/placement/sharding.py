@@ -91,8 +91,9 @@ def pad_vocab(params: dict[str, np.ndarray], vocab_size: int, tp: int) -> dict[s
 
 def param_sharding(mesh: Mesh, name: str, shape: tuple[int, ...],
                    cfg: LlamaConfig) -> NamedSharding:
-    expert_parallel = isinstance(cfg, MoeConfig) and cfg.expert_parallel
-    spec = (_EXPERT_PARALLEL_SPECS if expert_parallel else _SPECS).get(name, _SPECS.get(name, P()))
+    spec = _SPECS.get(name, P())
+    if isinstance(cfg, MoeConfig) and cfg.expert_parallel:
+        spec = _EXPERT_PARALLEL_SPECS.get(name, spec)
     tp = mesh.shape[AXIS]
     if any(axis is not None and shape[dim] % tp for dim, axis in enumerate(spec)):
         spec = P()  # e.g. an FFN width that TP does not divide: replicated, still correct

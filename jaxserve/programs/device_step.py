@@ -27,7 +27,7 @@ from jaxserve.layers.collective_matmul import CollectiveMatmul
 from jaxserve.layers.sampler import SamplerOutput, TokenLogprobs, sample, token_logprobs
 from jaxserve.models.llama import DENSE_PARAMS, Llama
 from jaxserve.models.llama_config import LlamaConfig, param_shapes
-from jaxserve.models.registry import family_of
+from jaxserve.models.moe import MoeConfig
 from jaxserve.placement.targets import Chip
 from jaxserve.programs.input_batch import PackedLayout, StepArrays, pack, unpack
 from jaxserve.programs.spec_verify import accepted_drafts, resolve_previous_step, sample_rows
@@ -89,7 +89,7 @@ def collective_matmul(config: EngineConfig, mesh: Mesh, chip: Chip | None, cfg: 
     """Where steps overlap their collectives with the matmuls: from the configured token count,
     or from the fewest tokens for which, on this chip, a layer takes less time that way."""
     tp = mesh.shape[AXIS]
-    if tp == 1 or "w_gate" not in family_of(cfg).param_shapes(cfg):  # experts: no dense MLP
+    if tp == 1 or isinstance(cfg, MoeConfig):  # a mixture's MLP is its experts' matmuls
         return None
     tokens = config.runner.collective_matmul_min_tokens
     if tokens is None and chip is not None:

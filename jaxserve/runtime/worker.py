@@ -248,9 +248,11 @@ class Worker:
     def _restore_sharded(self, path: str, cfg: LlamaConfig) -> LoadedModel:
         """orbax reads each device's shard straight onto it: no full copy on any device.
         `cfg`: the checkpoint's (`converted_config`)."""
-        validate_tensor_parallel(cfg, self.mesh.shape[AXIS])
+        tp = self.mesh.shape[AXIS]
+        validate_tensor_parallel(cfg, tp)
+        held = with_expert_parallel(cfg, self.config.parallel.enable_expert_parallel, tp)
         target = {name: jax.ShapeDtypeStruct(shape, self.plan.dtype,
-                                             sharding=param_sharding(self.mesh, name, shape, cfg))
+                                             sharding=param_sharding(self.mesh, name, shape, held))
                   for name, shape in family_of(cfg).param_shapes(cfg).items()}
         return with_hf_overrides(load_converted(path, target), self.config.model.hf_overrides)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax
 import pytest
 from safetensors.numpy import load_file, save_file
 
@@ -123,3 +124,21 @@ def test_expert_parallelism_needs_experts_that_tp_divides(hf_checkpoint):
         with_expert_parallel(six, True, 4)
     assert with_expert_parallel(six, True, 3).expert_parallel
     assert with_expert_parallel(six, False, 4) is six
+
+
+def test_an_orbax_checkpoint_restores_whole_experts_onto_each_device(hf_checkpoint,
+                                                                      compile_cache_dir, tmp_path):
+    """Restored shard by shard (no host copy), the experts land split whole under expert
+    parallelism, as the step's shard_map expects them."""
+    from jaxserve.models.checkpoint_io import save_converted
+
+    path = hf_checkpoint("mixtral")
+    dst = save_converted(load_model(str(path)), tmp_path / "converted")
+    prompts = random_prompts(4, 1, 30, seed=15)
+    llm = LLM(str(dst), tensor_parallel_size=2, enable_expert_parallel=True,
+              compilation_cache_dir=compile_cache_dir, **SMALL_ENGINE)
+    experts = llm.engine.core.executor.worker.model.layers[0]["expert_gate"][...]
+    assert experts.sharding.spec == jax.sharding.PartitionSpec("model")
+    assert experts.addressable_shards[0].data.shape[0] * 2 == experts.shape[0]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, GREEDY.max_tokens)
