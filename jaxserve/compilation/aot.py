@@ -70,7 +70,8 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
         out_shardings=tuple(kv.sharding for kv in caches)).trace().lower().compile()
     fp = compiled_dir.fingerprint(
         config, device_model_config(cfg, config.parallel.tensor_parallel_size,
-                                    config.parallel.enable_expert_parallel), plan,
+                                    config.parallel.enable_expert_parallel, target.devices[0]),
+        plan,
         device_kind=target.device_kind,
         draft=device_draft_config(config, cfg, plan.max_model_len))
     return compiled_dir.save(out, programs, fp, left), len(programs)

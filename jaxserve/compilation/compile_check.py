@@ -41,7 +41,7 @@ from jaxserve.placement.mesh import tp_mesh
 from jaxserve.programs.resolved import ResolvedPlan, resolve_plan
 from jaxserve.placement.sharding import (AXIS, padded_vocab_size,
                                            param_sharding, validate_tensor_parallel,
-                                           with_expert_parallel)
+                                           with_device_kernels, with_expert_parallel)
 from jaxserve.placement.targets import Chip, Target
 from jaxserve.programs.draft_model import FIELD as DRAFT_FIELD, check_draft, read_draft_config
 from jaxserve.programs.step_program import (ModelParts, StepProgram, kv_blocks_for,
@@ -49,11 +49,14 @@ from jaxserve.programs.step_program import (ModelParts, StepProgram, kv_blocks_f
 from jaxserve.programs.step_shapes import step_variants
 
 # ---- the abstract model --------------------------------------------------------------------
-def device_model_config(cfg: LlamaConfig, tp: int, expert_parallel: bool) -> LlamaConfig:
+def device_model_config(cfg: LlamaConfig, tp: int, expert_parallel: bool,
+                        device: Any = None) -> LlamaConfig:
     """The model as the devices hold it: KV heads duplicated when TP exceeds their count,
-    whole experts split over the devices under expert parallelism."""
+    whole experts split over the devices under expert parallelism; and as `device` runs it."""
     validate_tensor_parallel(cfg, tp)
     cfg = with_expert_parallel(cfg, expert_parallel, tp)
+    if device is not None:
+        cfg = with_device_kernels(cfg, device)
     return cfg.replace(num_kv_heads=tp) if tp > cfg.num_kv_heads else cfg
 
 
@@ -232,7 +235,7 @@ def prepare(target: Target, cfg: LlamaConfig, config: EngineConfig, kv_write: st
     if tp > len(target.devices):
         raise ValueError(f"tensor_parallel_size {tp} needs {tp} devices; {target.name} has "
                          f"{len(target.devices)}")
-    cfg = device_model_config(cfg, tp, config.parallel.enable_expert_parallel)
+    cfg = device_model_config(cfg, tp, config.parallel.enable_expert_parallel, target.devices[0])
     mesh = tp_mesh(list(target.devices[:tp]))
     plan = resolve_plan(config, cfg, target.platform, mesh)
     bs, dtype = plan.block_size, plan.dtype

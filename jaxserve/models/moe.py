@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from jaxserve.layers.axes import AXIS
 from jaxserve.layers.collective_matmul import CollectiveMatmul
-from jaxserve.layers.moe import expert_parallel_moe, moe_mlp
+from jaxserve.layers.moe import GROUPED_MATMULS, expert_parallel_moe, moe_mlp
 from jaxserve.models import llama_weights
 from jaxserve.models.llama import Llama
 from jaxserve.models.llama_config import LlamaConfig, hf_fields, param_shapes
@@ -36,6 +36,8 @@ class MoeConfig(LlamaConfig):
     norm_topk_prob: bool = True  # the k weights renormalised to sum to 1
     # As the devices hold it (enable_expert_parallel): num_experts / TP whole experts each
     expert_parallel: bool = False
+    # As the devices run it: the grouped matmul, one of layers/moe.py's GROUPED_MATMULS
+    grouped_matmul: str = "ragged_dot"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,6 +50,9 @@ class MoeConfig(LlamaConfig):
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.num_experts:
             raise ValueError(f"model config: num_experts_per_tok must be an integer in [1, "
                              f"num_experts={self.num_experts}], got {k!r}")
+        if self.grouped_matmul not in GROUPED_MATMULS:
+            raise ValueError(f"model config: grouped_matmul must be one of {GROUPED_MATMULS}, "
+                             f"got {self.grouped_matmul!r}")
         if not isinstance(self.norm_topk_prob, bool):
             raise ValueError(f"model config: norm_topk_prob must be true or false, "
                              f"got {self.norm_topk_prob!r}")
@@ -116,5 +121,5 @@ class MoeLlama(Llama):
         args = (h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
                 self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, layer)
         if self.cfg.expert_parallel and mesh is not None and mesh.shape[AXIS] > 1:
-            return expert_parallel_moe(*args, mesh)
-        return moe_mlp(*args)
+            return expert_parallel_moe(*args, mesh, kernel=self.cfg.grouped_matmul)
+        return moe_mlp(*args, kernel=self.cfg.grouped_matmul)

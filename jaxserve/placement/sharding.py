@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.layers.axes import AXIS
+from jaxserve.layers.moe import kernel_for
 from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.moe import MoeConfig
 from jaxserve.placement.mesh import place
@@ -46,6 +47,13 @@ def with_expert_parallel(cfg: LlamaConfig, enabled: bool, tp: int) -> LlamaConfi
         raise ValueError(f"enable_expert_parallel: tensor_parallel_size {tp} must divide "
                          f"num_experts ({cfg.num_experts})")
     return cfg.replace(expert_parallel=True)
+
+
+def with_device_kernels(cfg: LlamaConfig, device: Any) -> LlamaConfig:
+    """The config as `device` runs it: a mixture's grouped matmul (`kernel_for` it)."""
+    if isinstance(cfg, MoeConfig):
+        return cfg.replace(grouped_matmul=kernel_for(device))
+    return cfg
 
 
 def validate_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:

@@ -41,6 +41,7 @@ from jaxserve.placement.sharding import (
     param_sharding,
     shard_params,
     validate_tensor_parallel,
+    with_device_kernels,
     with_expert_parallel,
 )
 from jaxserve.programs.draft_model import FIELD as DRAFT_FIELD, load_draft, place_draft
@@ -125,8 +126,9 @@ class Worker:
         programs = (None if config.runner.compiled_dir is None  # loading beside the weights
                     else self._read_compiled(config.runner.compiled_dir, checkpoint))
         self.loaded = loading.result() if isinstance(loading, LoadingModel) else loading
-        cfg = with_expert_parallel(self.loaded.config, config.parallel.enable_expert_parallel,
-                                   self.mesh.shape[AXIS])
+        cfg = with_device_kernels(with_expert_parallel(
+            self.loaded.config, config.parallel.enable_expert_parallel, self.mesh.shape[AXIS]),
+            self.mesh.devices.flat[0])
         if restored or host_placed:
             # Host arrays: the model slices and places them on this process's one device
             # itself (under default_device below), with no jax operation to compile at start.

@@ -26,6 +26,8 @@ def prompts_sharing_a_prefix() -> list[list[int]]:
 
 def generate(path, prompts: list[list[int]], **engine: object) -> list[list[int]]:
     llm = LLM(str(path), **(SMALL_ENGINE | engine))
+    # the CPU's loop over row tiles, not XLA's dense ragged dot
+    assert llm.engine.core.executor.worker.model_config.grouped_matmul == "row_tiles"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert_no_leaks(llm.engine)
     return [o.outputs[0].token_ids for o in outs]
