@@ -137,3 +137,5 @@ def test_weights_off_the_hopper_kernels_tiles_take_the_ragged_dot():
     np.testing.assert_array_equal(
         moe_mlp(x, router, gate[1], up[1], down[1], K, True, kernel="hopper"),
         moe_mlp(x, router, gate[1], up[1], down[1], K, True))
+    with pytest.raises(ValueError, match="grouped matmul must be one of"):
+        moe_mlp(x, router, gate[1], up[1], down[1], K, True, kernel=True)
