@@ -29,7 +29,7 @@ from jaxserve.layers.collective_matmul import CollectiveMatmul
 from jaxserve.layers.mlp import gated_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import inverse_frequencies, lookup_angles, rotary_angles, rotary_table
-from jaxserve.models.llama_config import LlamaConfig
+from jaxserve.models.llama_config import LayerKind, LlamaConfig
 
 # Each layer's params a family may have (a mixture of experts: its router and experts)
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
@@ -65,9 +65,10 @@ class Llama(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else param(params["lm_head"])
         # The CPU path looks its rotary angles up (layers/rotary.py: rotary_table), on the
         # embedding's one device
+        # (one table per rotary angle set: [K, P, 2, Dh // 2])
         self.rotary_table = nnx.Variable(jax.device_put(
-            rotary_table(self._inverse_frequencies(),
-                         max_positions or cfg.max_position_embeddings),
+            np.stack([rotary_table(inv_freq, max_positions or cfg.max_position_embeddings)
+                      for inv_freq in self._inverse_frequencies()]),
             next(iter(self.embed[...].devices())))) if rotary_lookup else None
         names = [name for name in LAYER_PARAMS if name in params]
         if scan_layers:  # [L, ...] each
@@ -94,13 +95,14 @@ class Llama(nnx.Module):
         x = self._embed(input_ids)
         if collective is not None:
             x = collective.shard_rows(x)
-        angles = (rotary_angles(md.positions, jnp.asarray(self._inverse_frequencies()))
-                  if self.rotary_table is None
-                  else lookup_angles(self.rotary_table[...], md.positions))
+        kinds = cfg.layer_kinds[:depth]
+        angle_sets = self._angle_sets(md)
 
         def layer(carry: tuple[jax.Array, jax.Array, jax.Array], w: dict[str, jax.Array],
-                  index: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-            return self._layer(*carry, w, index, md, backend, angles, collective)
+                  index: int | jax.Array, kind: LayerKind,
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+            return self._layer(*carry, w, index, kind, md, backend, angle_sets[kind.rope],
+                               collective)
 
         carry = (x, k_cache, v_cache)
         if self.scan_layers:
@@ -108,31 +110,61 @@ class Llama(nnx.Module):
             # first layers (layer skip's drafts) was a new array, which on TPU the compiler
             # laid out anew, copying the weights (1.9 GiB of temporaries at Llama-3-8B).
             stacked = {name: p[...] for name, p in self.layers.items()}
-            carry, _ = jax.lax.scan(
-                lambda c, i: (layer(c, {name: w if name in self.WHOLE_STACK_PARAMS else w[i]
-                                        for name, w in stacked.items()}, i), None),
-                carry, jnp.arange(depth, dtype=jnp.int32))
+
+            def weights(i: jax.Array) -> dict[str, jax.Array]:
+                return {name: w if name in self.WHOLE_STACK_PARAMS else w[i]
+                        for name, w in stacked.items()}
+
+            # One scan step runs one period of the layer kinds (Gemma 3: five local layers
+            # and a global one), so the program stays one period long whatever the depth.
+            period = repeat_period(kinds)
+            groups = depth // period
+
+            def run_group(c: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array,
+                          ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
+                for j in range(period):
+                    c = layer(c, weights(g * period + j), g * period + j, kinds[j])
+                return c, None
+
+            carry, _ = jax.lax.scan(run_group, carry, jnp.arange(groups, dtype=jnp.int32))
+            for i in range(groups * period, depth):  # the layers past the last whole period
+                index = jnp.int32(i)
+                carry = layer(carry, weights(index), index, kinds[i])
         else:
             for index, params in enumerate(self.layers[:depth]):
-                carry = layer(carry, {name: p[...] for name, p in params.items()}, index)
+                carry = layer(carry, {name: p[...] for name, p in params.items()}, index,
+                              kinds[index])
         x, k_cache, v_cache = carry
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), k_cache, v_cache
+        return self._final_norm(x), k_cache, v_cache
+
+    def _final_norm(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
 
     def _embed(self, input_ids: jax.Array) -> jax.Array:  # i32[T] -> [T, D]
         return self.embed[...][input_ids]
 
-    def _inverse_frequencies(self) -> np.ndarray:
+    def _inverse_frequencies(self) -> list[np.ndarray]:
+        """f32[Dh // 2] for each rotary angle set a `LayerKind.rope` picks (Llama: one)."""
         cfg = self.cfg
-        return inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+        return [inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)]
+
+    def _angle_sets(self, md: AttentionMetadata) -> list[tuple[jax.Array, jax.Array]]:
+        """cos, sin f32[T, 1, Dh // 2] of each rotary angle set at the step's positions."""
+        if self.rotary_table is not None:
+            table = self.rotary_table[...]
+            return [lookup_angles(table[k], md.positions) for k in range(table.shape[0])]
+        return [rotary_angles(md.positions, jnp.asarray(inv_freq))
+                for inv_freq in self._inverse_frequencies()]
 
     def _layer(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               w: dict[str, jax.Array], index: int | jax.Array, md: AttentionMetadata,
-               backend: AttentionBackend, angles: tuple[jax.Array, jax.Array],
+               w: dict[str, jax.Array], index: int | jax.Array, kind: LayerKind,
+               md: AttentionMetadata, backend: AttentionBackend,
+               angles: tuple[jax.Array, jax.Array],
                collective: CollectiveMatmul | None,
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                               cfg.sliding_window)
+                               kind.sliding_window)
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
         o, k_cache, v_cache = attention_block(h, w, index, k_cache, v_cache, md, backend, angles,
                                               collective, shape)
@@ -150,6 +182,12 @@ class Llama(nnx.Module):
         # decode rows XLA:CPU runs hidden @ head.T ~1.8x faster than against a [D, V] copy.
         head = (self.embed if self.lm_head is None else self.lm_head)[...]
         return (hidden @ head.T)[:, :self.cfg.vocab_size].astype(jnp.float32)
+
+
+def repeat_period(kinds: tuple[LayerKind, ...]) -> int:
+    """The fewest leading layers whose kinds, repeated, give every layer's kind."""
+    return next(p for p in range(1, len(kinds) + 1)
+                if all(kind == kinds[i % p] for i, kind in enumerate(kinds)))
 
 
 def init_kv_cache(cfg: LlamaConfig, num_blocks: int, block_size: int,

@@ -41,6 +41,14 @@ def _is_positive_number(value: object) -> bool:
             and math.isfinite(value) and value > 0)
 
 
+@dataclass(frozen=True, slots=True)
+class LayerKind:
+    """What a layer's program depends on beyond its weights, static in the step: its attention
+    window and which of the model's rotary angle sets (`Llama._angle_sets`) it rotates by."""
+    sliding_window: int | None = None
+    rope: int = 0
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -102,6 +110,11 @@ class LlamaConfig:
     def eos_token_id(self) -> int | None:
         """The first EOS id (a tokenizer has one EOS token), or None when there is none."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's kind; a family whose layers differ (local and global) overrides it."""
+        return (LayerKind(self.sliding_window),) * self.num_layers
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
