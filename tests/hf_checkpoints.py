@@ -1,16 +1,25 @@
-"""Tiny random HF checkpoints (Llama family) built locally with `save_pretrained`, for tests.
+"""Tiny random HF checkpoints (every family) built locally with `save_pretrained`, for tests.
 
 torch and transformers are imported inside the functions: importing them costs ~8 s.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 KINDS = ("llama", "llama3.1", "mistral", "qwen2", "qwen3")
 MOE_KINDS = ("qwen3_moe", "mixtral")  # 4 experts, top 2
+# Windows of 24 tokens (prompts slide past them); gemma2: local and global layers alternating,
+# attention and final logits soft-capped at values the tiny model's scores reach; gemma3: two
+# local layers to one global, the global RoPE base and linear scaling of its own, q/k norm
+GEMMA_KINDS = ("gemma2", "gemma3")
+# Windows of 24 tokens; phi3_longrope: LongRoPE's long factors past 48 tokens (of 512), its
+# short and long factors random in [1, 4]
+PHI3_KINDS = ("phi3", "phi3_longrope")
 BOS, EOS = "<s>", "</s>"
 BOS_ID, EOS_ID = 0, 1  # the trainer gives the special tokens the first ids, in order
 
@@ -66,7 +75,34 @@ def _hf_config(kind: str, *, tie: bool, num_kv_heads: int, vocab_size: int,
         return transformers.MixtralConfig(**(common | {"intermediate_size": hidden_size // 2}),
                                           rope_theta=1000000.0, num_local_experts=4,
                                           num_experts_per_tok=2)
-    raise ValueError(f"kind must be one of {KINDS + MOE_KINDS}, got {kind!r}")
+    if kind == "gemma2":
+        return transformers.Gemma2Config(**common, head_dim=hidden_size // num_heads,
+                                         query_pre_attn_scalar=24, sliding_window=24,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    if kind == "gemma3":
+        types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                 for i in range(num_layers)]
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}
+        return transformers.Gemma3TextConfig(**common, head_dim=32, sliding_window=24,
+                                             layer_types=types, rope_parameters=rope,
+                                             query_pre_attn_scalar=32)
+    if kind in PHI3_KINDS:
+        # weights large enough that attention, and so the RoPE and the window, decide the
+        # greedy tokens; HF's pad id (32000) lies past the vocabulary
+        phi3 = common | {"pad_token_id": None, "sliding_window": 24, "initializer_range": 0.2}
+        if kind == "phi3_longrope":
+            import numpy as np
+
+            pairs = hidden_size // num_heads // 2
+            factors = np.random.default_rng(7).uniform(1.0, 4.0, (2, pairs))
+            phi3 = {"max_position_embeddings": 512} | phi3 | {
+                "original_max_position_embeddings": 48,
+                "rope_scaling": {"rope_type": "longrope", "short_factor": factors[0].tolist(),
+                                 "long_factor": factors[1].tolist()}}
+        return transformers.Phi3Config(**phi3, rope_theta=10000.0)
+    raise ValueError(f"kind must be one of {KINDS + MOE_KINDS + GEMMA_KINDS + PHI3_KINDS}, "
+                     f"got {kind!r}")
 
 
 def _perturb(model: Any) -> None:
@@ -80,6 +116,17 @@ def _perturb(model: Any) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.02 * torch.randn_like(p))
+
+
+def _sharpen_attention(model: Any) -> None:
+    """Scale q and k up so attention scores reach the soft cap's range: at HF's init the
+    scores are ~0.01 and capping them would change nothing a test could see."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(6.0)
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 320) -> None:
@@ -124,6 +171,8 @@ def build_hf_checkpoint(tmp_dir: Path, kind: str, *, tie: bool = False,
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _perturb(model)
+    if kind in GEMMA_KINDS:
+        _sharpen_attention(model)
     model = model.to(getattr(torch, dtype)).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(out_dir), **kwargs)
@@ -159,6 +208,14 @@ def build_truncated_draft(tmp_dir: Path, target: Path, num_layers: int,
     out_dir = Path(tmp_dir) / f"{target.name}-first{num_layers}-kv{num_kv_heads}"
     draft.save_pretrained(str(out_dir))
     return out_dir
+
+
+def copy_with_config(src: Path, dst: Path, **changes: object) -> Path:
+    """A copy of checkpoint `src` at `dst` with config.json entries replaced."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text()) | changes
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 def hf_model(path: str | Path) -> Any:

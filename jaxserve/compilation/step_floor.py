@@ -15,6 +15,7 @@ floor.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,18 +86,18 @@ def step_floor(cfg: LlamaConfig, tp: int, weight_bytes: int, itemsize: int,
     `vocab_size`: the embedding's rows (padded for TP)."""
     tokens, rows = batch.num_tokens, len(batch.q_lens)  # rows: one sampled row a request
     embed = vocab_size * cfg.hidden_size * itemsize // tp  # and the LM head, tied or not
-    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads // tp * cfg.head_dim * itemsize
-    visible = 0
-    attention_macs = 0
-    start = 0
-    for q_len, kv_len in zip(batch.q_lens, batch.kv_lens):
-        lo, hi = visible_range(start, q_len, kv_len, 0, q_len, cfg.sliding_window)
-        visible += hi - lo
-        for row in range(q_len):  # causal: row i sees its window of the first kv_len-q_len+i+1
-            row_lo, row_hi = visible_range(start, q_len, kv_len, row, row + 1,
-                                           cfg.sliding_window)
-            attention_macs += row_hi - row_lo
-        start += q_len
+    kv_layer_token = 2 * cfg.num_kv_heads // tp * cfg.head_dim * itemsize  # one layer's
+    # Per layer: the KV its window sees (layers of one window alike: counted once each)
+    visible = attention_macs = 0
+    for window, layers in Counter(kind.sliding_window for kind in cfg.layer_kinds).items():
+        start = 0
+        for q_len, kv_len in zip(batch.q_lens, batch.kv_lens):
+            lo, hi = visible_range(start, q_len, kv_len, 0, q_len, window)
+            visible += layers * (hi - lo)
+            for row in range(q_len):  # row i sees its window of the first kv_len-q_len+i+1
+                row_lo, row_hi = visible_range(start, q_len, kv_len, row, row + 1, window)
+                attention_macs += layers * (row_hi - row_lo)
+            start += q_len
     tables = embed if cfg.tie_word_embeddings else 2 * embed
     dense = (weight_bytes - tables) // itemsize  # every layer's weights
     # A mixture's experts: each token runs k of them (on whichever devices hold them: per
@@ -110,12 +111,12 @@ def step_floor(cfg: LlamaConfig, tp: int, weight_bytes: int, itemsize: int,
         untouched = experts * max(0, cfg.num_experts - pairs) // cfg.num_experts
         expert_flops = 2 * pairs * experts // cfg.num_experts
     dense_flops = 2 * tokens * (dense - experts) + expert_flops + 2 * rows * (embed // itemsize)
-    attention_flops = 2 * 2 * attention_macs * cfg.head_dim * cfg.num_heads // tp * cfg.num_layers
+    attention_flops = 2 * 2 * attention_macs * cfg.head_dim * cfg.num_heads // tp
     flops = dense_flops + attention_flops
     # the LM head whole, the embedding's looked-up rows only (a tied one is the head)
     weights = (weight_bytes - tables - untouched * itemsize + embed
                + tokens * cfg.hidden_size * itemsize // tp)
-    kv_read, kv_write = visible * kv_token, tokens * kv_token
+    kv_read, kv_write = visible * kv_layer_token, tokens * cfg.num_layers * kv_layer_token
     logits = rows * vocab_size // tp * 4
     bandwidth, peak = chip.hbm_bandwidth, chip.bf16_flops
     seconds = max((weights + kv_read + kv_write + logits) / bandwidth, flops / peak)

@@ -22,6 +22,9 @@ class AttentionShape:
     head_dim: int
     norm_eps: float  # of the q/k RMSNorm, where the layer has one
     sliding_window: int | None = None
+    sm_scale: float | None = None  # None: head_dim ** -0.5
+    soft_cap: float | None = None  # scores -> soft_cap * tanh(scores / soft_cap)
+    norm_unit_offset: bool = False  # the q/k RMSNorm scales by 1 + w (Gemma)
 
 
 def attention_block(
@@ -50,11 +53,12 @@ def attention_block(
     k = k.reshape(T, shape.num_kv_heads, shape.head_dim)
     v = v.reshape(T, shape.num_kv_heads, shape.head_dim)
     if "q_norm" in w:
-        q = rms_norm(q, w["q_norm"], shape.norm_eps)
-        k = rms_norm(k, w["k_norm"], shape.norm_eps)
+        q = rms_norm(q, w["q_norm"], shape.norm_eps, shape.norm_unit_offset)
+        k = rms_norm(k, w["k_norm"], shape.norm_eps, shape.norm_unit_offset)
     q = apply_rotary(q, angles)
     k = apply_rotary(k, angles)
     o, k_cache, v_cache = backend.write_and_attend(
-        q, k, v, k_cache, v_cache, layer, md, sm_scale=shape.head_dim ** -0.5,
-        sliding_window=shape.sliding_window)
+        q, k, v, k_cache, v_cache, layer, md,
+        sm_scale=shape.head_dim ** -0.5 if shape.sm_scale is None else shape.sm_scale,
+        sliding_window=shape.sliding_window, soft_cap=shape.soft_cap)
     return row_parallel(o.reshape(T, -1), w["wo"], collective), k_cache, v_cache

@@ -69,7 +69,8 @@ class _TensorReader:
         self.handles: dict[Path, Any] = {}
         self.used: set[str] = set()
 
-    def get(self, name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+    def get(self, name: str, stored: tuple[int, ...], rows: slice | None = None) -> np.ndarray:
+        """Tensor `name`, which must be of shape `stored`; only `rows` of it, when given."""
         from safetensors import safe_open
 
         fname = self.files.get(name)
@@ -79,15 +80,19 @@ class _TensorReader:
             if fname not in self.handles:
                 self.handles[fname] = self.stack.enter_context(
                     safe_open(str(fname), framework="numpy"))
-            tensor = self.handles[fname].get_tensor(name)
+            if rows is None:
+                tensor = self.handles[fname].get_tensor(name)
+                shape = tuple(tensor.shape)
+            else:
+                part = self.handles[fname].get_slice(name)
+                shape = tuple(part.get_shape())
         except Exception as e:
             raise ValueError(f"{fname}: cannot read tensor {name!r}: {e}") from e
-        stored = tuple(reversed(shape)) if transpose else shape
-        if tuple(tensor.shape) != stored:
-            raise ValueError(f"{fname.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+        if shape != stored:
+            raise ValueError(f"{fname.name}: tensor {name!r} has shape {shape}, "
                              f"expected {stored}")
         self.used.add(name)
-        return tensor.T if transpose else tensor
+        return tensor if rows is None else part[rows]
 
 
 def load_hf_params(directory: Path, config: LlamaConfig) -> dict[str, np.ndarray]:
@@ -97,11 +102,15 @@ def load_hf_params(directory: Path, config: LlamaConfig) -> dict[str, np.ndarray
     params: dict[str, np.ndarray] = {}
     with contextlib.ExitStack() as stack:
         reader = _TensorReader(files, stack)
-        for name, shape in family.param_shapes(config).items():
+        shapes = family.param_shapes(config)
+        for name, shape in shapes.items():
             transpose = name in names.transposed
+            fused = names.fused_rows(name, shapes)  # its rows of a tensor it shares
+            rows, stored = fused if fused else (None, names.stored_shape(name, shape))
             out = np.empty(shape, np.float32)
             for index, tensor in names.names(name, shape):  # per layer (and expert), or one
-                out[index] = reader.get(tensor, shape[len(index):], transpose)
+                w = reader.get(tensor, stored, rows)
+                out[index] = w.T if transpose else w
             params[name] = out
     unused = sorted(n for n in set(files) - reader.used
                     if not n.endswith(names.ignored_suffixes)

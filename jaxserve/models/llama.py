@@ -6,8 +6,9 @@ Checkpoints stack each layer weight on axis 0. Two ways to run the layers, one l
   over all the weights per step (a decode step of the 30M dummy model took 41 ms scanned, 24 ms
   unrolled on CPU; Llama-3-8B on H100, modelled: 2.0x its floor scanned, 1.13x unrolled).
 - scanned (`scan_layers`, the TPU default): the stacked weights as they are and one
-  `lax.scan` over them, with the layer index traced. Compile time does not grow with depth, and
-  the weights are never held twice.
+  `lax.scan` over them, with the layer index traced; a step of the scan runs one period of the
+  layers' kinds (`LayerKind`: Gemma's local and global layers). Compile time does not grow with
+  depth, and the weights are never held twice.
 The forward pass takes a flattened ragged batch (`input_ids[T]` with explicit positions) and
 reads/writes the paged cache through an attention backend. With `rotary_lookup` (the CPU's
 `cpu` backend) the rotary angles come from a per-position table.
@@ -33,8 +34,8 @@ from jaxserve.models.llama_config import LayerKind, LlamaConfig
 
 # Each layer's params a family may have (a mixture of experts: its router and experts)
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
-                "bq", "bk", "bv", "q_norm", "k_norm", "router", "expert_gate", "expert_up",
-                "expert_down")
+                "bq", "bk", "bv", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm",
+                "router", "expert_gate", "expert_up", "expert_down")
 # The layer weights the dense layers read, each [(L,) K, N]
 DENSE_PARAMS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 

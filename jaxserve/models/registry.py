@@ -11,11 +11,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from jaxserve.models import llama_weights
+from jaxserve.models.gemma import GEMMA_SWITCHES, HF_NAMES as GEMMA_HF_NAMES, Gemma, GemmaConfig, \
+    gemma_param_shapes
 from jaxserve.models.gguf_file import GGUFFile
 from jaxserve.models.llama import Llama
 from jaxserve.models.llama_config import ARCHITECTURE_SWITCHES, LlamaConfig, param_shapes
 from jaxserve.models.moe import (MIXTRAL_HF_NAMES, QWEN3_MOE_HF_NAMES, MoeConfig, MoeLlama,
                                  moe_param_shapes)
+from jaxserve.models.phi3 import HF_NAMES as PHI3_HF_NAMES, PHI3_SWITCHES, Phi3, Phi3Config
 from jaxserve.models.weight_names import WeightNames
 
 DEFAULT_HF_ARCHITECTURE = "LlamaForCausalLM"  # a config.json without `architectures`
@@ -60,9 +63,22 @@ MIXTRAL = ModelFamily(
     name="mixtral", config_type=MoeConfig, config_from_hf=MoeConfig.from_hf_dict,
     model=MoeLlama, param_shapes=moe_param_shapes, norm_params=_NORMS,
     hf_names=MIXTRAL_HF_NAMES)
+PHI3 = ModelFamily(
+    name="phi3", config_type=Phi3Config, config_from_hf=Phi3Config.from_hf_dict,
+    model=Phi3, param_shapes=param_shapes, norm_params=_NORMS, hf_names=PHI3_HF_NAMES)
+
+# Gemma's norms scale by 1 + w: dummy weights keep them near 1 with small random w
+GEMMA = ModelFamily(
+    name="gemma", config_type=GemmaConfig, config_from_hf=GemmaConfig.from_hf_dict,
+    model=Gemma, param_shapes=gemma_param_shapes, norm_params=frozenset(),
+    hf_names=GEMMA_HF_NAMES)
 
 HF_ARCHITECTURES: dict[str, ModelFamily] = {arch: LLAMA for arch in ARCHITECTURE_SWITCHES} | {
-    "Qwen3MoeForCausalLM": QWEN3_MOE, "MixtralForCausalLM": MIXTRAL}
+    "Qwen3MoeForCausalLM": QWEN3_MOE, "MixtralForCausalLM": MIXTRAL} | dict.fromkeys(
+    GEMMA_SWITCHES, GEMMA) | dict.fromkeys(PHI3_SWITCHES, PHI3)
+# Checkpoints whose text model a family serves, refused until the rest of them is supported
+UNSUPPORTED_PARTS = {"Gemma3ForConditionalGeneration": "images (its vision tower) are not "
+                     "supported yet; serve a Gemma3ForCausalLM (text-only) checkpoint"}
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture(LLAMA, "LlamaForCausalLM", interleaved_qk=True),
     "qwen2": GGUFArchitecture(LLAMA, "Qwen2ForCausalLM", interleaved_qk=False),
@@ -78,6 +94,9 @@ def _lookup(table: dict[str, _Entry], name: str, field: str) -> _Entry:
 
 
 def hf_family(architecture: str, source: str = "config.json") -> ModelFamily:
+    if architecture in UNSUPPORTED_PARTS:
+        raise ValueError(f"{source}: architectures: {architecture}: "
+                         f"{UNSUPPORTED_PARTS[architecture]}")
     return _lookup(HF_ARCHITECTURES, architecture, f"{source}: architectures")
 
 

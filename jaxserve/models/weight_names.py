@@ -1,12 +1,13 @@
 """How a family's params are named in a checkpoint format: our param name -> the checkpoint's
 tensor name. Our params stack the layers on axis 0 (and a mixture's experts on axis 1) and
 multiply `x @ w`; checkpoints store one tensor per layer (its name holds `{layer}`) and expert
-(`{expert}`), the linear ones as torch's `[out, in]`."""
+(`{expert}`), the linear ones as torch's `[out, in]`. Some store several params in one tensor
+(Phi-3's qkv_proj: the q, k and v rows one after the other); each is then a block of its rows."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,6 +18,16 @@ class WeightNames:
     transposed: frozenset[str]  # params stored `[out, in]`: ours is the transpose
     # Tensors some checkpoints carry that nothing reads (e.g. RoPE tables we recompute)
     ignored_suffixes: tuple[str, ...] = ()
+    # Tensors holding several params (each param's `tensors` entry names the tensor) -> those
+    # params in the order of their blocks of stored rows
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for tensor, params in self.fused.items():
+            for param in params:
+                if self.tensors.get(param) != tensor:
+                    raise ValueError(f"fused tensor {tensor!r}: param {param!r} is named "
+                                     f"{self.tensors.get(param)!r}")
 
     def per_layer(self, param: str) -> bool:
         return "{layer}" in self.tensors[param]
@@ -41,14 +52,36 @@ class WeightNames:
                 yield (layer,), self.name(param, layer)
 
     def stored_shape(self, param: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of each tensor holding `param` of `shape` (ours), as stored."""
+        """The shape of `param`'s part of each tensor holding it (ours: `shape`), as stored."""
         one = shape[self.per_layer(param) + self.per_expert(param):]
         return tuple(reversed(one)) if param in self.transposed else one
+
+    def fused_rows(self, param: str, shapes: dict[str, tuple[int, ...]],
+                   ) -> tuple[slice, tuple[int, ...]] | None:
+        """Where `param` lies in a fused tensor: its rows there and the whole tensor's stored
+        shape, from our `shapes` of the params fused with it; None when it has a tensor of its
+        own."""
+        params = self.fused.get(self.tensors[param], ())
+        if param not in params:
+            return None
+        parts = [self.stored_shape(p, shapes[p]) for p in params]  # each [rows, in]
+        i = params.index(param)
+        start = sum(part[0] for part in parts[:i])
+        return slice(start, start + parts[i][0]), (sum(part[0] for part in parts), *parts[i][1:])
 
     def checkpoint_tensors(self, params: dict[str, np.ndarray],
                            ) -> Iterator[tuple[str, np.ndarray]]:
         """The checkpoint's (name, tensor) pairs holding `params` (e.g. to write one)."""
+        in_fused = {p for fused in self.fused.values() for p in fused}
         for param, value in params.items():
-            for index, name in self.names(param, value.shape):
-                w = value[index]
-                yield name, np.ascontiguousarray(w.T if param in self.transposed else w)
+            if param not in in_fused:
+                for index, name in self.names(param, value.shape):
+                    yield name, self._stored(param, value[index])
+        for fused in self.fused.values():
+            values = [params[p] for p in fused]
+            for index, name in self.names(fused[0], values[0].shape):
+                yield name, np.concatenate([self._stored(p, v[index])
+                                            for p, v in zip(fused, values)])
+
+    def _stored(self, param: str, w: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(w.T if param in self.transposed else w)

@@ -1,10 +1,13 @@
 """The step's floor, counted by hand for a two-layer model: a decode at 10 tokens of context
 beside a 4-token prefill from position 0."""
 
+import dataclasses
+
 import pytest
 
 from jaxserve.compilation.step_floor import step_floor
 from jaxserve.kernels.traffic import RaggedBatch
+from jaxserve.models.gemma import FULL, SLIDING, GemmaConfig
 from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.moe import MoeConfig
 from jaxserve.placement.targets import Chip
@@ -73,3 +76,16 @@ def test_a_mixture_reads_and_runs_only_the_experts_its_tokens_are_routed_to(tp):
     # the LM head per request, and attention (10 visible positions, 4 q heads, 2 layers)
     head, attention = 2 * 256 * 64 // tp, 2 * 2 * 10 * 16 * (4 // tp) * 2
     assert one.flops == 2 * (OTHER // tp) + 2 * 2 * (EXPERTS // tp) // 8 + head + attention
+
+
+def test_a_local_layer_reads_only_its_window():
+    """Gemma's local layer at a window of 3: the decode at 10 sees 3 tokens, the prefill rows
+    1, 2, 3 and 3; the global layer sees them all."""
+    gemma = GemmaConfig(**{f.name: getattr(CFG, f.name) for f in dataclasses.fields(CFG)}
+                        | {"sliding_window": 3, "layer_types": (SLIDING, FULL)})
+    f = step_floor(gemma, 1, 2 * DENSE + 2 * EMBED, 2, BATCH, 256, chip(1e4))
+    kv_layer_token = 2 * 2 * 16 * 2  # K and V, KV heads, head_dim, bf16
+    assert f.kv_read == ((3 + 4) + (10 + 4)) * kv_layer_token
+    assert f.kv_write == 5 * 2 * kv_layer_token
+    attention_macs = (3 + (1 + 2 + 3 + 3)) + (10 + (1 + 2 + 3 + 4))
+    assert f.flops == 2 * 5 * DENSE + 2 * 2 * 256 * 64 + 4 * attention_macs * 16 * 4

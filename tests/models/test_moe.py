@@ -3,14 +3,12 @@ tiny random checkpoints (4 experts, top 2, fp32) built with `save_pretrained`.""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import jax
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from engine_helpers import FEW_BUCKETS, SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prompts
+from hf_checkpoints import copy_with_config
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.loader import load_model
 from jaxserve.models.moe import MoeConfig
@@ -72,13 +70,6 @@ def test_greedy_tokens_equal_hf_on_other_backends_and_meshes(hf_checkpoint, comp
     assert got == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
-def _copy_with_config(src, dst, **changes: object):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text()) | changes
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize(("changes", "message"), [
     ({"num_experts_per_tok": 5}, r"num_experts_per_tok must be an integer in \[1, "
                                  r"num_experts=4\], got 5"),
@@ -88,13 +79,13 @@ def _copy_with_config(src, dst, **changes: object):
     ({"decoder_sparse_step": 2}, r"decoder_sparse_step != 1"),
 ])
 def test_a_bad_moe_config_is_a_clear_error_at_load(hf_checkpoint, tmp_path, changes, message):
-    path = _copy_with_config(hf_checkpoint("qwen3_moe"), tmp_path / "bad", **changes)
+    path = copy_with_config(hf_checkpoint("qwen3_moe"), tmp_path / "bad", **changes)
     with pytest.raises(ValueError, match=message):
         load_model(str(path))
 
 
 def test_a_missing_expert_weight_is_a_clear_error_at_load(hf_checkpoint, tmp_path):
-    path = _copy_with_config(hf_checkpoint("mixtral"), tmp_path / "missing")
+    path = copy_with_config(hf_checkpoint("mixtral"), tmp_path / "missing")
     tensors = load_file(str(path / "model.safetensors"))
     del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
     save_file(tensors, str(path / "model.safetensors"))

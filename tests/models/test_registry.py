@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 from hf_checkpoints import KINDS, MOE_KINDS
 from jaxserve.models.gguf_file import GGUFFile
 from jaxserve.models.hf_loader import load_hf
-from jaxserve.models.registry import (HF_ARCHITECTURES, LLAMA, MIXTRAL, QWEN3_MOE,
+from jaxserve.models.registry import (GEMMA, HF_ARCHITECTURES, LLAMA, MIXTRAL, PHI3, QWEN3_MOE,
                                       config_from_hf, family_of, gguf_architecture)
 
 
@@ -36,7 +36,9 @@ def test_an_unknown_gguf_architecture_names_the_field_and_the_supported_ones():
 def test_the_supported_architectures_and_their_families():
     assert HF_ARCHITECTURES == {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": LLAMA,
                                 "Qwen2ForCausalLM": LLAMA, "Qwen3ForCausalLM": LLAMA,
-                                "Qwen3MoeForCausalLM": QWEN3_MOE, "MixtralForCausalLM": MIXTRAL}
+                                "Qwen3MoeForCausalLM": QWEN3_MOE, "MixtralForCausalLM": MIXTRAL,
+                                "Gemma2ForCausalLM": GEMMA, "Gemma3ForCausalLM": GEMMA,
+                                "Phi3ForCausalLM": PHI3}
     assert {gguf_architecture(gguf_named(a)).family for a in ("llama", "qwen2", "qwen3")} == \
         {LLAMA}
 
