@@ -37,6 +37,8 @@ TARGETS = {
     "tpu-v6e-qwen3-30b-a3b": ("v6e:2x2", "qwen3-30b-a3b"),
     "h200-qwen3-30b-a3b": (str(SHARED_GPU / "h200.txtpb"), "qwen3-30b-a3b"),
     "tpu-v5p-mixtral-8x7b": ("v5p:2x2x1", "mixtral-8x7b"),
+    "tpu-v6e-gemma3-27b": ("v6e:2x2", "gemma-3-27b"),
+    "h200-gemma3-27b": (str(SHARED_GPU / "h200.txtpb"), "gemma-3-27b"),
 }
 GIB = 2**30
 
@@ -136,7 +138,9 @@ def main() -> int:
     body = (
         "Each preset's model at its public architecture numbers (configs/models: Llama-3-8B "
         "width, 4096 hidden, 14336 FFN, 32 q / 8 KV heads, vocab 128,256; Qwen3-30B-A3B, 48 "
-        "layers of 128 experts, top 8; Mixtral-8x7B, 32 layers of 8 experts, top 2), bf16, "
+        "layers of 128 experts, top 8; Mixtral-8x7B, 32 layers of 8 experts, top 2; "
+        "Gemma-3-27B, 62 layers, five local (1,024-token windows) to one global, vocab "
+        "262,208), bf16, "
         "abstract weights, each preset's own engine arguments (the mixtures' TPU presets split "
         "their experts whole over the devices: enable_expert_parallel); KV pool sized from the memory "
         "the engine plans into (TPU: HBM as libtpu reports it x gpu_memory_utilization; GPU: "

@@ -134,6 +134,29 @@ def test_a_mixture_decodes_within_1_5x_of_its_floor_without_copies(name, tmp_pat
     assert decode["label"].startswith("decode 128 ") and 1.0 <= decode["ratio"] <= 1.5, log
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tpu-v6e-gemma3-27b",
+                                  pytest.param("h200-gemma3-27b", marks=pytest.mark.full)])
+def test_gemma3_local_and_global_layers_compile_without_copies(name, tmp_path):
+    """Gemma-3-27B at 8 layers: the scan's one period of five local layers and a global one,
+    then two local layers past it; decode at 128 requests within 1.25x of its floor."""
+    target = "v6e:2x2" if name.startswith("tpu") else str(SHARED / "h200.txtpb")
+    platform = "tpu" if name.startswith("tpu") else "gpu"
+    if platform == "gpu" and not Path(target).exists():
+        pytest.skip(f"{target} absent (shared/gpu_targets)")
+    rc, report, log = compile_check(
+        platform, tmp_path, "--target", target, "--config",
+        str(REPO / "configs" / "engine" / f"{name}.yaml"), "--num-layers", "8", "--buckets",
+        "128:256", model=REPO / "configs" / "models" / "gemma-3-27b")
+    assert rc == 0 and report["num_layers"] == 8, log
+    (bucket,) = report["buckets"]
+    assert bucket["compiled"] and bucket["cache_copies"] == 0, log
+    assert bucket["weight_copies"] == (0 if platform == "tpu" else None), log
+    assert bucket["temp_bytes"] < 0.05 * report["hbm_bytes"], log
+    (decode,) = bucket["costs"]
+    assert decode["label"].startswith("decode 128 ") and 1.0 <= decode["ratio"] <= 1.25, log
+
+
 def draft_config_dir(tmp_path: Path) -> Path:
     """A draft model for Llama-3-8B as a config.json alone (the check reads no weights): the
     same vocabulary, half the width (16 heads of 128), 2 layers. (A head_dim of 64 gets its
