@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jaxserve.entrypoints.llm",
     "AsyncLLM": "jaxserve.engine.async_llm",
+    "AsyncLLMEngine": "jaxserve.engine.async_llm",
     "LLMEngine": "jaxserve.engine.llm_engine",
     "EngineConfig": "jaxserve.config",
     "EngineArgs": "jaxserve.engine.arg_utils",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 @dataclass
@@ -57,6 +58,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # a sample's step failed (its finish_reason is "error")
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs
+    # vLLM's: what a KV connector hands the other engine after a prefill. jaxserve's
+    # disaggregation moves the KV inside one engine (its KVConnector), so nothing sets it.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:

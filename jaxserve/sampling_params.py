@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json as _json
 import numbers
 from dataclasses import dataclass
@@ -56,6 +57,12 @@ def _check_int(name: str, value: object, *, allow_none: bool = False, low: int =
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    # A string such as "no" is truthy: taken as a flag it would mean the opposite.
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def _check_float(name: str, value: object) -> float:
@@ -151,6 +158,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "detokenize", "spaces_between_special_tokens"):
+            _check_bool(name, getattr(self, name))
         self._check_unsupported()
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
@@ -200,8 +210,6 @@ class SamplingParams:
                    low=-1)
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be >= 1 or -1, got 0")
-        if not isinstance(self.detokenize, bool):
-            raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")
         if not self.detokenize and self.stop:
             raise ValueError("stop strings need detokenize=True (they are matched in the text)")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
@@ -246,6 +254,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers in [0, {INT32_MAX}], "
                              f"got {ids!r}")
         return [int(t) for t in ids]
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's): changing it leaves this one as it is."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
@@ -294,5 +306,4 @@ class BeamSearchParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         self.length_penalty = _check_float("length_penalty", self.length_penalty)
         for name in ("ignore_eos", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            _check_bool(name, getattr(self, name))

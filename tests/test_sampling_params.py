@@ -97,6 +97,13 @@ def test_boundary_values_are_accepted(kwargs: dict) -> None:
     ({"stop": [str(i) for i in range(65)]}, "stop", "65"),
     ({"stop": ["x" * 4097]}, "stop", "4097"),
     ({"output_kind": 1}, "output_kind", "1"),  # the enum's value, not the enum
+    # A truthy string would have turned each flag on (issue 53: ignore_eos="no" was true).
+    ({"ignore_eos": "no"}, "ignore_eos", "'no'"),
+    ({"ignore_eos": 1}, "ignore_eos", "1"),
+    ({"skip_special_tokens": "false"}, "skip_special_tokens", "'false'"),
+    ({"include_stop_str_in_output": "no"}, "include_stop_str_in_output", "'no'"),
+    ({"detokenize": 0}, "detokenize", "0"),
+    ({"spaces_between_special_tokens": "yes"}, "spaces_between_special_tokens", "'yes'"),
 ])
 def test_invalid_parameter_raises_value_error_naming_field_and_value(
         kwargs: dict, field: str, value: str) -> None:
@@ -153,3 +160,14 @@ def test_vllms_other_fields_take_their_no_op_values() -> None:
                        spaces_between_special_tokens=True, extra_args={"k": 1},
                        truncate_prompt_tokens=-1, detokenize=False)
     assert p.extra_args == {"k": 1} and p.truncate_prompt_tokens == -1 and not p.detokenize
+
+
+def test_clone_is_a_deep_copy() -> None:
+    p = SamplingParams(temperature=0.5, stop=["###"], stop_token_ids=[7], extra_args={"k": [1]},
+                       structured_outputs={"choice": ["a", "b"]})
+    q = p.clone()
+    assert q == p and q is not p
+    q.stop.append("!!!")
+    q.extra_args["k"].append(2)
+    q.structured_outputs.choice.append("c")
+    assert (p.stop, p.extra_args, p.structured_outputs.choice) == (["###"], {"k": [1]}, ["a", "b"])

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 import os
 import secrets
 from dataclasses import dataclass, field, fields
@@ -203,6 +204,7 @@ class EngineConfig:
         _positive(s, "max_num_batched_tokens")
         _positive(p, "tensor_parallel_size")
         _positive(p, "data_parallel_size_local")
+        _positive(p, "distributed_timeout_s")
         if c.block_size & (c.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {c.block_size}")
         if c.num_kv_blocks is not None and (not isinstance(c.num_kv_blocks, int)
@@ -211,6 +213,9 @@ class EngineConfig:
         if not 0.0 < c.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{c.gpu_memory_utilization}")
+        if c.cpu_kv_cache_space_gib is not None and not 0 < c.cpu_kv_cache_space_gib < math.inf:
+            raise ValueError(f"cpu_kv_cache_space_gib must be a number > 0 (GiB), got "
+                             f"{c.cpu_kv_cache_space_gib!r}")
         _non_negative(s, "long_prefill_token_threshold")
         _non_negative(s, "max_num_partial_prefills")
         if s.scheduling_policy not in ("fcfs", "priority"):

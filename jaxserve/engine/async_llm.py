@@ -17,11 +17,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.arg_utils import DEFAULT_MAX_QUEUED_REQUESTS, AsyncEngineArgs
 from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.input_processor import PromptType, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, accumulate
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -233,6 +234,26 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._error is None and self._thread.is_alive()
 
+    @property
+    def errored(self) -> bool:
+        """The engine loop has stopped (shut down, or a step lost the device state)."""
+        return not self.is_running
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise EngineDeadError(f"the engine loop has stopped: {self._error!r}")
+
+    async def get_tokenizer(self, lora_request: object | None = None) -> Tokenizer:
+        refuse_lora(lora_request)
+        return self.engine.get_tokenizer()
+
+    async def get_model_config(self) -> ModelConfig:
+        return self.engine.get_model_config()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing reset) while a request holds blocks."""
+        return await asyncio.wrap_future(self.call_in_engine(LLMEngine.reset_prefix_cache))
+
     def stats(self) -> AsyncLLMStats:
         return AsyncLLMStats(self._engine_stats, len(self._streams), self.num_queued,
                              self._num_steps, self._num_join_steps, self._num_joined,
@@ -363,6 +384,9 @@ class AsyncLLM:
                 return
             if isinstance(cmd, (_Add, _Call)) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(error)
+
+
+AsyncLLMEngine = AsyncLLM  # vLLM's name: its V1 AsyncLLMEngine is AsyncLLM too
 
 
 def _check_queue_bound(value: object) -> None:

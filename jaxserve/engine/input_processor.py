@@ -79,6 +79,7 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError(NO_TOKENIZER)
             self.check_prompt_chars(prompt)
+            check_unicode(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             unknown = sorted(set(prompt) - PROMPT_KEYS)
@@ -86,7 +87,13 @@ class InputProcessor:
                 raise ValueError(f"prompt: {unknown[0]!r} is not supported (a prompt dict "
                                  "holds 'prompt' and/or 'prompt_token_ids')")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                token_ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+                if not isinstance(token_ids, (list, tuple, np.ndarray)):
+                    raise ValueError("prompt_token_ids: must be a list of ints, got "
+                                     f"{type(token_ids).__name__}")
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"prompt: must be a string, got {type(text).__name__}")
+                return text, list(token_ids)
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
             raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
@@ -175,6 +182,15 @@ class InputProcessor:
                 request.structured_output = self.structured_outputs().request(
                     params.structured_outputs)
         return text, requests
+
+
+def check_unicode(text: str, field: str) -> None:
+    """A lone UTF-16 surrogate ("\\ud800") is not Unicode text: no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field}: text holds a lone surrogate at position {e.start} (not "
+                         "valid Unicode)") from None
 
 
 def truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

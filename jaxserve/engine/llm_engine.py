@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.request import RequestStatus
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import EngineCore
@@ -75,6 +76,20 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests added and not yet finished or aborted (n samples count as one)."""
+        return len(self.output_processor.states)
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (its checkpoint carries none); pass "
+                             "tokenizer=")
+        return self.tokenizer
+
+    def get_model_config(self) -> ModelConfig:
+        """The model's settings, max_model_len resolved (vLLM's ModelConfig has it so)."""
+        return dataclasses.replace(self.config.model, max_model_len=self.core.max_model_len)
 
     def step(self, output_kind: RequestOutputKind | None = None) -> list[RequestOutput]:
         """One engine step: each request's output as its `SamplingParams.output_kind` asks

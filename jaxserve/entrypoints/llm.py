@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.stats import EngineStats
-from jaxserve.engine.input_processor import PromptType, refuse_lora
+from jaxserve.engine.input_processor import PromptType, check_unicode, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics_reader import Metric, engine_metrics
 from jaxserve.entrypoints.beam_search import BeamSearchOutput, beam_search
@@ -55,6 +55,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt: a text, a dict, or a bare token id list
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a prompt (a str, a dict or a token id list) or a "
+                             f"list of prompts, got {type(prompts).__name__}")
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
@@ -101,6 +104,7 @@ class LLM:
                 conversation, tools, chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tokenize=False, **variables)
+            check_unicode(text, f"messages[{c}]")
             # The template writes the BOS itself; the output reports the rendered text.
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})

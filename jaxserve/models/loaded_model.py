@@ -25,8 +25,13 @@ class LoadedModel:
     generation_config: dict[str, Any] = field(default_factory=dict)
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict[str, Any]:
+    """A file holding one JSON object (config.json and its kin); anything else is a ValueError
+    naming the file."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise ValueError(f"{path}: cannot read JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(value).__name__}")
+    return value

@@ -44,6 +44,16 @@ class Tokenizer(ABC):
     @abstractmethod
     def get_vocab(self) -> dict[str, int]: ...
 
+    @abstractmethod
+    def convert_ids_to_tokens(self, ids: int | Sequence[int], skip_special_tokens: bool = False,
+                              ) -> str | list[str]:
+        """HF's: the vocabulary entry of one id, or of each."""
+
+    @abstractmethod
+    def batch_decode(self, sequences: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = False) -> list[str]:
+        """HF's, whose default keeps the special tokens (unlike `decode` here)."""
+
     def __call__(self, text: str | list[str], add_special_tokens: bool = True,
                  ) -> dict[str, Any]:
         """HF's call: `input_ids` and `attention_mask`, for one text or a list of them."""
@@ -222,6 +232,19 @@ class HFTokenizer(Tokenizer):
 
     def get_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int], skip_special_tokens: bool = False,
+                              ) -> str | list[str]:
+        if isinstance(ids, int):
+            return self._tok.id_to_token(ids)
+        skip = {i for i, t in self._tok.get_added_tokens_decoder().items()
+                if t.special} if skip_special_tokens else set()
+        return [self._tok.id_to_token(int(i)) for i in ids if int(i) not in skip]
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = False) -> list[str]:
+        return self._tok.decode_batch([list(ids) for ids in sequences],
+                                      skip_special_tokens=skip_special_tokens)
 
     def to_json(self) -> str:
         return self._tok.to_str()

@@ -22,6 +22,13 @@ BAD_PROMPTS = [
     ({"prompt_token_ids": [5, 320, 7]}, "prompt_token_ids"),
     ({"prompt_token_ids": [5, -1]}, "prompt_token_ids"),
     ({"wrong": 1}, "prompt"),
+    # Each was a TypeError deep in the engine or the tokenizer, not naming the field.
+    ({"prompt_token_ids": 5}, "^prompt_token_ids: must be a list of ints, got int$"),
+    ({"prompt_token_ids": None}, "^prompt_token_ids: must be a list of ints, got NoneType$"),
+    ({"prompt_token_ids": "5 6"}, "^prompt_token_ids: must be a list of ints, got str$"),
+    ({"prompt_token_ids": [5, 6], "prompt": 7}, "^prompt: must be a string, got int$"),
+    ("Once \ud800", "^prompt: text holds a lone surrogate at position 5"),
+    ({"prompt": "\udfff"}, "^prompt: text holds a lone surrogate at position 0"),
 ]
 
 
@@ -65,6 +72,14 @@ def test_a_bad_prompt_in_a_batch_rejects_the_batch_and_leaks_nothing(llama, comp
         llm.generate([{"prompt_token_ids": [3, 4]}, {"prompt_token_ids": [3, 999]}], GREEDY)
     assert not llm.engine.has_unfinished_requests()
     assert_no_leaks(llm.engine)
+    for prompts, message in (({"prompt_token_ids": 5}, "prompt_token_ids: must be a list"),
+                             (5, "prompts must be a prompt .* got int"),
+                             (["Once", "\ud800"], "prompt: text holds a lone surrogate")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompts, GREEDY)
+    with pytest.raises(ValueError, match=r"messages\[0\]: text holds a lone surrogate"):
+        llm.chat([{"role": "user", "content": "Hi \ud83d"}], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
     assert len(llm.generate({"prompt_token_ids": [3, 4]}, GREEDY)[0].outputs[0].token_ids) == 8
 
 
@@ -88,6 +103,10 @@ def test_unknown_architecture_and_missing_model_are_clear_errors(tmp_path):
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="does-not-exist"):
         LLM(str(tmp_path / "does-not-exist"))
+    for text, kind in (("[1, 2]", "list"), ('"llama"', "str"), ("7", "int")):
+        (tmp_path / "config.json").write_text(text)  # was an AttributeError in the loader
+        with pytest.raises(ValueError, match=f"config.json: must hold a JSON object, got {kind}"):
+            LLM(str(tmp_path))
 
 
 def test_a_kv_pool_smaller_than_one_full_sequence_is_refused(llama, compile_cache_dir):

@@ -75,6 +75,21 @@ def test_max_num_partial_prefills_must_be_a_non_negative_integer(value: Any) -> 
         config.validate()
 
 
+@pytest.mark.parametrize("name, value", [
+    ("cpu_kv_cache_space_gib", -1.0), ("cpu_kv_cache_space_gib", 0),
+    ("cpu_kv_cache_space_gib", float("nan")), ("cpu_kv_cache_space_gib", float("inf")),
+    ("distributed_timeout_s", -5), ("distributed_timeout_s", 0),
+])
+def test_sizes_and_timeouts_must_be_positive(name: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"^{name} must be .*got {value!r}"):
+        EngineConfig.from_kwargs(**{name: value})
+
+
+def test_positive_sizes_and_timeouts_are_accepted() -> None:
+    config = EngineConfig.from_kwargs(cpu_kv_cache_space_gib=0.5, distributed_timeout_s=1)
+    assert (config.cache.cpu_kv_cache_space_gib, config.parallel.distributed_timeout_s) == (0.5, 1)
+
+
 def test_cli_flag_for_max_num_partial_prefills_reaches_the_scheduler_config() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

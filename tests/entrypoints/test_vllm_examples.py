@@ -181,6 +181,21 @@ def test_llm_engine_methods_and_reset_prefix_cache(llm: LLM) -> None:
     assert llm.stats().prefix_cache_hits == hits  # the cache was emptied
 
 
+def test_llm_engine_getters_vllm_users_call(llm: LLM, engine_args: dict[str, Any]) -> None:
+    engine = llm.llm_engine
+    assert engine.get_tokenizer() is llm.get_tokenizer() is not None
+    config = engine.get_model_config()
+    assert (config.model, config.max_model_len) == (engine_args["model"], 128)
+    assert engine.get_num_unfinished_requests() == 0
+    engine.add_request("a", "Once upon a time", SamplingParams(n=2, max_tokens=2))
+    engine.add_request("b", "Once upon a time", SamplingParams(max_tokens=2))
+    assert engine.get_num_unfinished_requests() == 2  # requests, not samples
+    engine.abort_request(["a", "b"])
+    assert engine.get_num_unfinished_requests() == 0 and not engine.has_unfinished_requests()
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert out.kv_transfer_params is None  # vLLM's field: no KV connector set it
+
+
 def test_llm_engine_from_engine_args_step_loop(engine_args: dict[str, Any],
                                                llm: LLM) -> None:  # llm_engine_example.py
     engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))

@@ -277,6 +277,23 @@ def test_hf_tokenizer_call_vocab_and_specials_match_transformers(hf_dir: Path) -
         theirs.eos_token_id, theirs.bos_token, theirs.eos_token)
 
 
+def test_hf_tokenizer_token_strings_and_batch_decode_match_transformers(hf_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ours, theirs = HFTokenizer.from_directory(hf_dir), AutoTokenizer.from_pretrained(str(hf_dir))
+    batch = [ours.encode(text) + [ours.eos_token_id]
+             for text in ("Once upon a time", "Café 日本 🙂", "")]
+    assert ours.eos_token_id in theirs.all_special_ids  # so skipping it is tested
+    for skip in (False, True):
+        assert ours.batch_decode(batch, skip_special_tokens=skip) == theirs.batch_decode(
+            batch, skip_special_tokens=skip)
+        for ids in batch:
+            assert ours.convert_ids_to_tokens(ids, skip_special_tokens=skip) == \
+                theirs.convert_ids_to_tokens(ids, skip_special_tokens=skip)
+    assert ours.batch_decode(batch) == theirs.batch_decode(batch)  # HF's default: keep them
+    assert ours.convert_ids_to_tokens(batch[0][1]) == theirs.convert_ids_to_tokens(batch[0][1])
+
+
 def test_sentencepiece_vocab_and_a_given_chat_template(
         tok512: HFTokenizer, tok512_vocab: tuple[list[str], list[float]]) -> None:
     vocab = tok512.get_vocab()

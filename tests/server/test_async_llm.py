@@ -97,6 +97,8 @@ def test_bad_input_raises_in_generate_before_any_output_and_changes_nothing(llm)
                 raise AssertionError("no output may come before the error")
         with pytest.raises(ValueError, match="outside the vocabulary"):
             await anext(llm.generate({"prompt_token_ids": [10**6]}, GREEDY, "bad-2"))
+        with pytest.raises(ValueError, match="prompt_token_ids: must be a list of ints, got int"):
+            await anext(llm.generate({"prompt_token_ids": 5}, GREEDY, "bad-3"))
         with pytest.raises(ValueError, match="request_id"):
             await anext(llm.generate("Once", GREEDY, ""))
         good = llm.generate("Once upon a time", GREEDY, "dup")
@@ -109,6 +111,32 @@ def test_bad_input_raises_in_generate_before_any_output_and_changes_nothing(llm)
     assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 12
     wait_engine_idle(llm)
     llm.call_in_engine(assert_no_leaks).result()
+
+
+def test_vllms_engine_client_methods(llm):
+    from jaxserve import AsyncLLMEngine
+
+    assert AsyncLLMEngine is AsyncLLM  # vLLM's name for it
+    prompt = {"prompt_token_ids": list(range(5, 45))}  # two full blocks to cache
+
+    async def run() -> list[int]:
+        assert not llm.errored
+        await llm.check_health()
+        assert await llm.get_tokenizer() is llm.tokenizer is not None
+        with pytest.raises(ValueError, match="lora_request"):
+            await llm.get_tokenizer(lora_request=object())
+        assert (await llm.get_model_config()).max_model_len == llm.max_model_len
+        hits = []
+        for i, reset in enumerate((False, True, False)):
+            if reset:
+                assert await llm.reset_prefix_cache() is True
+            outs = await _collect(llm, prompt, GREEDY, f"cached-{i}")
+            assert outs[-1].kv_transfer_params is None  # no KV connector set it
+            hits.append(llm.stats().engine.prefix_cache_hits)
+        return hits
+
+    after_first, after_reset, after_again = asyncio.run(run())
+    assert after_reset == after_first < after_again  # the reset emptied the cache
 
 
 def test_abort_ends_the_stream_with_finish_reason_abort(llm):
@@ -183,6 +211,8 @@ def test_shutdown_fails_open_streams_and_refuses_new_requests(engine_args):
             await anext(llm.generate("Once", GREEDY))
 
     asyncio.run(run())
-    assert not llm.is_running
+    assert not llm.is_running and llm.errored
+    with pytest.raises(EngineDeadError):
+        asyncio.run(llm.check_health())
     with pytest.raises(EngineDeadError):
         llm.call_in_engine(lambda e: None).result()

@@ -53,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-request-body-bytes", dest="max_body_bytes", type=int, default=None,
                    help="larger request bodies get HTTP 413 (default: 10 MiB)")
     g.add_argument("--http-read-timeout", dest="read_timeout_s", type=float, default=None,
-                   help="seconds a request's headers, and each chunk of its body, may take "
+                   help="seconds a request's headers, and then its whole body, may take "
                    "to arrive (default: 30)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the model argument)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import ipaddress
-import json
 import logging
 import threading
 import time
@@ -13,13 +12,12 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.body import ParsedBodyRoute, parse_body
 from jaxserve.entrypoints.openai.errors import (APIError, document_errors_as_answered,
                                                 error_responses, install_error_handlers)
 from jaxserve.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S,
@@ -74,6 +72,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
     if not read_timeout_s > 0:
         raise ValueError(f"read_timeout_s must be > 0, got {read_timeout_s!r}")
     app = FastAPI(title="jaxserve", summary="OpenAI-compatible API over jaxserve")
+    app.router.route_class = ParsedBodyRoute
     metrics = ServerMetrics(llm, served_model_names[0])
     completions = OpenAIServingCompletion(llm, served_model_names, metrics)
     chat = OpenAIServingChat(llm, served_model_names, metrics, chat_template)
@@ -148,19 +147,18 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
         responses=body_errors | _generation_reply(CompletionResponse | ChatCompletionResponse))
     async def invocations(raw: Request) -> Response:
         """vLLM's (SageMaker's) one route: a chat body (with messages) or a completion body."""
-        try:
-            body = json.loads(await raw.body())
-        except ValueError:
-            raise APIError(400, "the body is not valid JSON") from None
-        chat_body = isinstance(body, dict) and "messages" in body
-        try:
-            req = (ChatCompletionRequest if chat_body else CompletionRequest).model_validate(body)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from None
-        return await cancel_on_disconnect(raw, (chat if chat_body else completions).create(req))
+        req = await parse_body(await raw.body(), _chat_or_completion)
+        serving = chat if isinstance(req, ChatCompletionRequest) else completions
+        return await cancel_on_disconnect(raw, serving.create(req))
 
     document_errors_as_answered(app)
     return app
+
+
+def _chat_or_completion(body: Any) -> ChatCompletionRequest | CompletionRequest:
+    if isinstance(body, dict) and "messages" in body:
+        return ChatCompletionRequest.model_validate(body)
+    return CompletionRequest.model_validate(body)
 
 
 def _generation_reply(model: type) -> dict[int | str, dict[str, Any]]:
@@ -208,8 +206,8 @@ def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: in
                chat_template: str | None = None) -> int:
     """Serve until interrupted (SIGINT/SIGTERM: returns 0) or until the engine dies (returns 1,
     so that a supervisor restarts the process rather than keep one that only answers 503).
-    `read_timeout_s` bounds how long a request's headers, and each chunk of its body, may
-    take to arrive."""
+    `read_timeout_s` bounds how long a request's headers, and then its whole body, may take
+    to arrive."""
     warn_if_exposed(host, api_key)
     app = build_app(llm, served_model_names, api_key, open_metrics=open_metrics,
                     max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s,

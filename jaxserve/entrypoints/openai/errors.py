@@ -62,7 +62,12 @@ def _describe(errors: list[Any]) -> tuple[str, str | None, str]:
             "invalid_json"
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    message = f"{param}: {err['msg']}" if param else err["msg"]
+    text = err["msg"]
+    if err.get("type") == "value_error":  # our own validator's message, which names its field
+        text = str(err.get("ctx", {}).get("error", text))
+        head, colon, _ = text.partition(": ")
+        param = param or (head if colon and " " not in head else None)
+    message = text if param is None or text.startswith(f"{param}:") else f"{param}: {text}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return message, param, "missing_field" if err.get("type") == "missing" else "invalid_value"

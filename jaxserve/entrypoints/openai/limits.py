@@ -19,7 +19,8 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 
 class RequestLimitsMiddleware:
     """413 for a body over `max_body_bytes` (at once when Content-Length says so, else as soon
-    as the count passes it), 408 for a body whose next chunk takes over `read_timeout_s`."""
+    as the count passes it), 408 for a body not all in within `read_timeout_s` of its headers
+    (a deadline for the whole body: one per chunk lets a byte a second hold a connection)."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
@@ -36,14 +37,17 @@ class RequestLimitsMiddleware:
             await self._too_large().response()(scope, receive, send)
             return
         received, complete = 0, False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.read_timeout_s
 
         async def limited_receive() -> Message:
             nonlocal received, complete
             if complete:  # the body is in: what follows is the disconnect, however late
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout_at(deadline):  # what has arrived is read even late
+                    message = await receive()
+            except TimeoutError:
                 raise HTTPException(408, f"the request body did not arrive within "
                                          f"{self.read_timeout_s:g} s") from None
             if message["type"] == "http.request":
