@@ -78,3 +78,24 @@ def check_against_hf(path, prompt: list[int], got, k: int, first: int = 1) -> No
             if tid != token or lp.rank <= k:
                 assert lp.logprob == pytest.approx(float(descending[lp.rank - 1]), abs=1e-4)
         assert len(entry) in (k, k + 1) and all(r <= k for r in tops)
+
+
+# Chunked prefill in steps of 32 tokens and async scheduling: what a family's tokens are checked
+# under, with a prefix that a second wave of prompts finds cached.
+CHUNKED_ASYNC = dict(max_num_batched_tokens=32, token_buckets=[16, 32], async_scheduling=True)
+
+
+def greedy_with_a_cached_prefix(llm, sampling, seed: int,  # noqa: ANN001 (LLM, SamplingParams)
+                                ) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of 8 random prompts and a 40-token prefix, then of 3 prompts extending that
+    prefix, which start from its cached blocks (asserted): (the prompts, their tokens)."""
+    prompts = random_prompts(8, 1, 60, seed=seed)
+    prefix = random_prompts(1, 40, 41, seed=seed + 1)[0]
+    sharing = [prefix + tail for tail in random_prompts(3, 5, 20, seed=seed + 2)]
+    got = []
+    for wave in (prompts + [prefix], sharing):
+        outs = llm.generate([{"prompt_token_ids": p} for p in wave], sampling, use_tqdm=False)
+        got += [o.outputs[0].token_ids for o in outs]
+    assert llm.engine.core.scheduler.kv.total_stats.hits >= 3 * 32  # two blocks each
+    assert_no_leaks(llm.engine)
+    return prompts + [prefix] + sharing, got

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_helpers import FEW_BUCKETS, SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prompts
+from engine_helpers import (CHUNKED_ASYNC, FEW_BUCKETS, SMALL_ENGINE, assert_no_leaks,
+                            greedy_with_a_cached_prefix, hf_greedy, random_prompts)
 from hf_checkpoints import copy_with_config
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.gemma import FULL, SLIDING, GemmaConfig
@@ -53,20 +54,10 @@ def test_greedy_tokens_equal_hf_generate(hf_checkpoint, compile_cache_dir, kind)
     """Chunked prefill (prompts over one step's 32 tokens), a shared prefix (prefix caching) and
     async scheduling on the default CPU backend; prompts and outputs slide past the window."""
     path = checkpoint(hf_checkpoint, kind)
-    prompts = random_prompts(8, 1, 60, seed=21)
-    prefix = random_prompts(1, 40, 41, seed=22)[0]
-    sharing = [prefix + tail for tail in random_prompts(3, 5, 20, seed=23)]
     llm = LLM(str(path), compilation_cache_dir=compile_cache_dir,
-              **(SMALL_ENGINE | {"max_num_batched_tokens": 32, "token_buckets": [16, 32],
-                                 "async_scheduling": True}))
-    got = [o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p} for p in prompts + [prefix]], GREEDY, use_tqdm=False)]
-    # the prefix's blocks are cached now: the second batch starts from them
-    got += [o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p} for p in sharing], GREEDY, use_tqdm=False)]
-    assert llm.engine.core.scheduler.kv.total_stats.hits >= 3 * 32
-    assert_no_leaks(llm.engine)
-    assert got == hf_greedy(path, prompts + [prefix] + sharing, GREEDY.max_tokens)
+              **(SMALL_ENGINE | CHUNKED_ASYNC))
+    prompts, got = greedy_with_a_cached_prefix(llm, GREEDY, seed=21)
+    assert got == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("kind,engine", [

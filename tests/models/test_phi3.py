@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from engine_helpers import FEW_BUCKETS, SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prompts
+from engine_helpers import (CHUNKED_ASYNC, FEW_BUCKETS, SMALL_ENGINE, assert_no_leaks,
+                            greedy_with_a_cached_prefix, hf_greedy, random_prompts)
 from jaxserve import LLM, SamplingParams
 from jaxserve.layers.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from jaxserve.models.checkpoint_io import save_converted
@@ -122,13 +123,12 @@ def generate(path, prompts: list[list[int]], **engine: object) -> list[list[int]
 
 
 def test_greedy_tokens_equal_hf_generate(hf_checkpoint, compile_cache_dir):
-    """Chunked prefill (prompts over one step's 32 tokens), shared prefixes (prefix caching)
+    """Chunked prefill (prompts over one step's 32 tokens), a cached prefix (prefix caching)
     and async scheduling on the default CPU backend, prompts sliding past the window of 24."""
     path = hf_checkpoint("phi3")
-    prompts = random_prompts(10, 1, 60, seed=31)
-    prompts += [prompts[2][:20] + tail for tail in random_prompts(4, 5, 30, seed=32)]
-    got = generate(path, prompts, compilation_cache_dir=compile_cache_dir,
-                   max_num_batched_tokens=32, token_buckets=[16, 32], async_scheduling=True)
+    llm = LLM(str(path), compilation_cache_dir=compile_cache_dir,
+              **(SMALL_ENGINE | CHUNKED_ASYNC))
+    prompts, got = greedy_with_a_cached_prefix(llm, GREEDY, seed=31)
     assert got == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
