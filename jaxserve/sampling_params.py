@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json as _json
 import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from enum import IntEnum
@@ -154,7 +156,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # Words never generated: a word's last token is blocked where the output ends with the rest
+    # of it (vLLM's rule: the output only, not the prompt). The engine tokenizes each word as
+    # written and after a space (`with_bad_words_token_ids`).
     bad_words: list[str] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
@@ -220,11 +226,16 @@ class SamplingParams:
         if self.spaces_between_special_tokens is not True:
             raise ValueError("spaces_between_special_tokens=False is not supported (text is "
                              "decoded as the tokenizer's own decode does)")
-        for name in ("logit_bias", "allowed_token_ids", "bad_words"):
+        for name in ("logit_bias", "allowed_token_ids"):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported by jaxserve (the sampler has no "
                                  "per-request token bias or mask; structured_outputs can "
                                  "constrain tokens)")
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, (list, tuple))
+                or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, "
+                             f"got {self.bad_words!r}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:
@@ -271,8 +282,27 @@ class SamplingParams:
     @property
     def needs_host_history(self) -> bool:
         """Whether each token depends on the ones before it on the host (penalties read the
-        history, a grammar's mask follows it): async scheduling must not run ahead of it."""
-        return self.has_penalties or self.structured_outputs is not None
+        history, a grammar's mask follows it, bad words their first tokens): async scheduling
+        must not run ahead of it."""
+        return (self.has_penalties or self.structured_outputs is not None
+                or bool(self.bad_words_token_ids))
+
+    def with_bad_words_token_ids(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """A copy holding each bad word's tokens, as written and after a space (a word inside
+        a text is usually tokenized with its leading space)."""
+        ids = dict.fromkeys(tuple(encode(variant)) for word in self.bad_words or ()
+                            for variant in (word.strip(), " " + word.strip()))
+        return dataclasses.replace(self, bad_words_token_ids=tuple(t for t in ids if t))
+
+    def blocked_by_bad_words(self, output_token_ids: Sequence[int]) -> list[int]:
+        """The tokens a bad word forbids next: its last, where the output ends with the rest."""
+        blocked = []
+        for word in self.bad_words_token_ids:
+            rest = len(word) - 1  # the tokens the output must end with
+            if rest == 0 or (len(output_token_ids) >= rest
+                             and list(output_token_ids[-rest:]) == list(word[:-1])):
+                blocked.append(word[-1])
+        return blocked
 
 
 def request_seed(params: SamplingParams, rng: np.random.Generator, index: int = 0) -> int:

@@ -143,7 +143,8 @@ def test_seed_minus_one_means_random_as_vllm():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(logit_bias={5: 1.0}), "logit_bias is not supported"),
     (dict(allowed_token_ids=[5, 6]), "allowed_token_ids is not supported"),
-    (dict(bad_words=["robot"]), "bad_words is not supported"),
+    (dict(bad_words=["robot", " "]), "bad_words must be a list of non-blank strings"),
+    (dict(bad_words="robot"), "bad_words must be a list of non-blank strings"),
     (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens=False"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be >= 1 or -1"),
     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens must be in"),

@@ -163,6 +163,11 @@ class InputProcessor:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: this model has no tokenizer")
+            params = params.with_bad_words_token_ids(
+                lambda word: self.tokenizer.encode(word, add_special_tokens=False))
         text, token_ids = self.tokenize(prompt)
         token_ids = truncated(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         self.validate_token_ids(token_ids)

@@ -40,7 +40,8 @@ class SamplingMetadata:
     repetition_penalty: jax.Array  # f32[R]
     output_token_ids: jax.Array    # i32[R, Lo]  -1 padded; Lo = 0 when no row has penalties
     prompt_token_ids: jax.Array    # i32[R, Lp]  -1 padded; Lp = 0 unless repetition penalty used
-    blocked_token_ids: jax.Array   # i32[R, B]   -1 padded; EOS/stop ids before min_tokens
+    # i32[R, B]  -1 padded; EOS/stop ids before min_tokens, bad words' next tokens
+    blocked_token_ids: jax.Array
     # i32[R, W]  structured outputs: bit t % 32 of word t // 32 allows token t (free rows all
     # ones); W = ceil(V / 32), or 0 when no row of the step is constrained
     token_bitmask: jax.Array

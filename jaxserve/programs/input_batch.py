@@ -105,10 +105,11 @@ def make_sampling_metadata(rows: Sequence[RowSpec | None], num_rows_padded: int,
             outputs.append((i, row.output_token_ids))
             if p.repetition_penalty != 1.0:
                 prompts.append((i, row.prompt_token_ids))
+        blocked_ids = p.blocked_by_bad_words(row.output_token_ids)
         if steps[i] < p.min_tokens:
-            stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-            if stop_ids:
-                blocked.append((i, stop_ids))
+            blocked_ids += list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+        if blocked_ids:
+            blocked.append((i, blocked_ids))
         if p.logprobs is not None:
             max_logprobs = max(max_logprobs, logprobs_width(p.logprobs))
 

@@ -1,0 +1,48 @@
+"""`bad_words` (vLLM's): the words are never generated; greedy tokens equal HF `generate` with
+the same words' token ids as `bad_words_ids`."""
+
+from __future__ import annotations
+
+from engine_helpers import SMALL_ENGINE, assert_no_leaks, random_prompts
+from jaxserve import LLM, SamplingParams
+
+
+def contains(tokens: list[int], word: tuple[int, ...]) -> bool:
+    return any(tuple(tokens[i:i + len(word)]) == word for i in range(len(tokens)))
+
+
+def test_bad_words_are_never_generated_and_tokens_equal_hf(hf_checkpoint, compile_cache_dir):
+    import torch
+    from hf_checkpoints import hf_model
+
+    path = hf_checkpoint("llama")
+    llm = LLM(str(path), compilation_cache_dir=compile_cache_dir, async_scheduling=True,
+              **SMALL_ENGINE)
+    tokenizer = llm.get_tokenizer()
+    prompts = random_prompts(6, 5, 30, seed=41)
+    free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    unbanned = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], free, use_tqdm=False)]
+    # words the unconstrained outputs hold: a one-token word, and a two-token one
+    encode = lambda w: tokenizer.encode(w, add_special_tokens=False)  # noqa: E731
+    texts = [tokenizer.decode(out[i:i + n]).strip() for n in (1, 2) for out in unbanned
+             for i in range(len(out) - n + 1)]
+    words = [next(t for t in texts if t.isalpha() and len(encode(t)) == n) for n in (1, 2)]
+    banned = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, bad_words=words)
+    ids = banned.with_bad_words_token_ids(encode).bad_words_token_ids
+    assert any(contains(out, w) for out in unbanned for w in ids)  # the ban has work to do
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], banned, use_tqdm=False)]
+    assert not any(contains(out, w) for out in got for w in ids)
+    assert_no_leaks(llm.engine)
+
+    # HF checks the prompt too; vLLM the output only: equal where no prompt ends in a word's
+    # first tokens
+    assert not any(len(w) > 1 and tuple(p[-len(w) + 1:]) == w[:-1] for p in prompts for w in ids)
+    model = hf_model(path)
+    with torch.no_grad():
+        for prompt, out in zip(prompts, got):
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 bad_words_ids=[list(w) for w in ids])
+            assert out == ref[0, len(prompt):].tolist()
