@@ -155,7 +155,7 @@ class SamplingParams:
     # vLLM's; only the values that ask for nothing (see _check_unsupported).
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None  # the only tokens sampled (masked on the device)
     # Words never generated: a word's last token is blocked where the output ends with the rest
     # of it (vLLM's rule: the output only, not the prompt). The engine tokenizes each word as
     # written and after a space (`with_bad_words_token_ids`).
@@ -226,11 +226,16 @@ class SamplingParams:
         if self.spaces_between_special_tokens is not True:
             raise ValueError("spaces_between_special_tokens=False is not supported (text is "
                              "decoded as the tokenizer's own decode does)")
-        for name in ("logit_bias", "allowed_token_ids"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by jaxserve (the sampler has no "
-                                 "per-request token bias or mask; structured_outputs can "
-                                 "constrain tokens)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by jaxserve (the sampler has no "
+                             "per-request token bias; allowed_token_ids, bad_words or "
+                             "structured_outputs can constrain tokens)")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                           for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (ints "
+                             f">= 0), got {self.allowed_token_ids!r}")
         if self.bad_words is not None and (
                 not isinstance(self.bad_words, (list, tuple))
                 or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
@@ -282,10 +287,11 @@ class SamplingParams:
     @property
     def needs_host_history(self) -> bool:
         """Whether each token depends on the ones before it on the host (penalties read the
-        history, a grammar's mask follows it, bad words their first tokens): async scheduling
-        must not run ahead of it."""
+        history, a grammar's mask follows it, bad words their first tokens; a token mask is
+        written at the sample row of a step, which knows no drafts): async scheduling must not
+        run ahead of it."""
         return (self.has_penalties or self.structured_outputs is not None
-                or bool(self.bad_words_token_ids))
+                or bool(self.bad_words_token_ids) or self.allowed_token_ids is not None)
 
     def with_bad_words_token_ids(self, encode: Callable[[str], list[int]]) -> SamplingParams:
         """A copy holding each bad word's tokens, as written and after a space (a word inside

@@ -142,7 +142,9 @@ def test_seed_minus_one_means_random_as_vllm():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(logit_bias={5: 1.0}), "logit_bias is not supported"),
-    (dict(allowed_token_ids=[5, 6]), "allowed_token_ids is not supported"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list of token ids"),
+    (dict(allowed_token_ids=[5, -1]), "allowed_token_ids must be a non-empty list"),
+    (dict(allowed_token_ids=5), "allowed_token_ids must be a non-empty list"),
     (dict(bad_words=["robot", " "]), "bad_words must be a list of non-blank strings"),
     (dict(bad_words="robot"), "bad_words must be a list of non-blank strings"),
     (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens=False"),

@@ -86,6 +86,7 @@ class Request:
     group_id: str | None = None  # the parent request of n > 1 samples, which share the prompt
     kv_transfer: KVTransfer | None = None
     structured_output: Any = None  # StructuredOutputRequest: its grammar's matcher
+    allowed_tokens_mask: Any = None  # i32[ceil(V / 32)]: allowed_token_ids as a bitmask row
     # Speculative decoding: verifications in a row that accepted no draft, and the scheduler
     # step before which it drafts no more (backing off while drafts keep missing).
     draft_misses: int = 0

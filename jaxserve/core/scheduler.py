@@ -29,7 +29,7 @@ from jaxserve.core.scheduler_output import (CachedRequestData, EngineCoreOutput,
                                             ModelRunnerOutput, NewRequestData, PromptLogprobs,
                                             SchedulerOutput, SpecDecodingStats)
 from jaxserve.core.step_timing import StepTimings
-from jaxserve.core.structured_output import grammar_bitmask
+from jaxserve.core.structured_output import step_bitmask
 
 
 @dataclass(slots=True)
@@ -145,12 +145,12 @@ class Scheduler:
                                                            + request.num_tokens_in_flight):
                 request.num_output_placeholders += 1
                 sampling.add(request.request_id)
-        constrained = [r for r in self.running
-                       if r.structured_output is not None and r.request_id in sampling]
+        constrained = [r for r in self.running if r.request_id in sampling and (
+            r.structured_output is not None or r.allowed_tokens_mask is not None)]
         bitmask = None
         if constrained:
             with self.timings.phase("mask"):
-                bitmask = grammar_bitmask([r.structured_output for r in constrained])
+                bitmask = step_bitmask(constrained)
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,

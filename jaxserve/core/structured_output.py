@@ -15,13 +15,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 
 from jaxserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from jaxserve.core.request import Request
 
 MAX_CACHED_GRAMMARS = 256
 
@@ -101,11 +104,24 @@ class StructuredOutputRequest:
         llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
 
 
-def grammar_bitmask(requests: Sequence[StructuredOutputRequest]) -> np.ndarray:
-    """i32[len(requests), num_words]: the tokens each constrained request may take next."""
-    bitmask = np.empty((len(requests), requests[0].num_words), np.int32)
-    for i, so in enumerate(requests):
-        so.fill_bitmask(bitmask, i)
+def allowed_tokens_mask(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """i32[mask_words(vocab_size)]: the bits of `token_ids` set (allowed_token_ids)."""
+    bits = np.zeros(mask_words(vocab_size) * 32, np.uint8)
+    bits[list(token_ids)] = 1
+    return np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view(np.int32)[:, 0]
+
+
+def step_bitmask(requests: Sequence[Request]) -> np.ndarray:
+    """i32[len(requests), num_words]: the tokens each constrained request may take next, its
+    grammar's (or all) and its allowed_token_ids' together."""
+    num_words = next(r.structured_output.num_words if r.structured_output is not None
+                     else len(r.allowed_tokens_mask) for r in requests)
+    bitmask = np.full((len(requests), num_words), -1, np.int32)
+    for i, request in enumerate(requests):
+        if request.structured_output is not None:
+            request.structured_output.fill_bitmask(bitmask, i)
+        if request.allowed_tokens_mask is not None:
+            bitmask[i] &= request.allowed_tokens_mask
     return bitmask
 
 

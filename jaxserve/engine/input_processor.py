@@ -13,7 +13,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.inputs import PROMPT_KEYS
 from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.core.request import Request
-from jaxserve.core.structured_output import StructuredOutputManager
+from jaxserve.core.structured_output import StructuredOutputManager, allowed_tokens_mask
 from jaxserve.sampling_params import SamplingParams, request_seed
 
 PromptType = Union[str, dict[str, Any], list[int]]
@@ -137,6 +137,13 @@ class InputProcessor:
                              f"[0, {self.vocab_size})")
         if params.structured_outputs is not None:
             self.structured_outputs().validate(params.structured_outputs)
+        if params.allowed_token_ids is not None and not self.supports_structured_outputs:
+            raise ValueError("allowed_token_ids is not supported with disaggregated "
+                             "prefill/decode (its first token is sampled unmasked)")
+        outside = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"allowed_token_ids: {outside[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
 
     def structured_outputs(self) -> StructuredOutputManager:
         """The grammar manager, made on first use (any thread)."""
@@ -186,6 +193,10 @@ class InputProcessor:
             for request in requests:
                 request.structured_output = self.structured_outputs().request(
                     params.structured_outputs)
+        if params.allowed_token_ids is not None:
+            mask = allowed_tokens_mask(params.allowed_token_ids, self.vocab_size)
+            for request in requests:
+                request.allowed_tokens_mask = mask
         return text, requests
 
 

@@ -11,7 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.core.structured_output import StructuredOutputManager, grammar_bitmask
+from types import SimpleNamespace
+
+from jaxserve.core.structured_output import (StructuredOutputManager, allowed_tokens_mask,
+                                             step_bitmask)
 from jaxserve.default_model import default_model_path
 from jaxserve.models.hf_loader import read_hf_config
 from jaxserve.models.tokenizer import HFTokenizer, load_hf_tokenizer
@@ -37,6 +40,26 @@ def manager(request) -> StructuredOutputManager:
     return StructuredOutputManager(tok, tok.vocab_size, [tok.eos_token_id])
 
 
+def _bits(mask: np.ndarray, vocab_size: int) -> np.ndarray:
+    return np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab_size]
+
+
+def test_a_requests_mask_is_its_grammars_and_its_allowed_tokens(manager):
+    so = manager.request(StructuredOutputsParams(regex=r"(ab|[0-9]){1,5}"))
+    while not so.ready():
+        pass
+    V = manager.vocab_size
+    ids = list(range(0, V, 7))
+    allowed = allowed_tokens_mask(ids, V)
+    assert np.flatnonzero(_bits(allowed, V)).tolist() == ids
+    grammar, both, alone = step_bitmask([
+        SimpleNamespace(structured_output=so, allowed_tokens_mask=None),
+        SimpleNamespace(structured_output=so, allowed_tokens_mask=allowed),
+        SimpleNamespace(structured_output=None, allowed_tokens_mask=allowed)])
+    assert (_bits(both, V) == (_bits(grammar, V) & _bits(allowed, V))).all()
+    assert (alone == allowed).all() and 0 < _bits(both, V).sum() < _bits(grammar, V).sum()
+
+
 def _walk(manager: StructuredOutputManager, params: StructuredOutputsParams, seed: int,
           eos: int) -> bytes:
     so = manager.request(params)
@@ -45,9 +68,9 @@ def _walk(manager: StructuredOutputManager, params: StructuredOutputsParams, see
     rng = np.random.default_rng(seed)
     tokens = []
     for _ in range(200):
-        mask = grammar_bitmask([so])  # i32[1, W]
-        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:manager.vocab_size]
-        allowed = np.flatnonzero(bits)
+        mask = step_bitmask([SimpleNamespace(structured_output=so,
+                                             allowed_tokens_mask=None)])  # i32[1, W]
+        allowed = np.flatnonzero(_bits(mask, manager.vocab_size))
         assert len(allowed) > 0
         token = int(rng.choice(allowed))
         assert so.accept(token)

@@ -111,7 +111,6 @@ class SamplingRequest(APIRequest):
     # field -> the values that ask for nothing; any other value is answered with a 400.
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "use_beam_search": (False,), "length_penalty": (1.0,), "prompt_logprobs": (None,),
-        "allowed_token_ids": (None,),
         "spaces_between_special_tokens": (True,),
         "return_tokens_as_token_ids": (None, False), "logits_processors": (None, []),
         "structural_tag": (None,), "guided_decoding_backend": (None, "guidance"),

@@ -28,7 +28,7 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalt
                       "frequency_penalty", "repetition_penalty")
 _PASSED_SAMPLING = ("n", "seed", "stop", "min_tokens", "ignore_eos", "stop_token_ids",
                     "skip_special_tokens", "include_stop_str_in_output",
-                    "truncate_prompt_tokens", "bad_words")
+                    "truncate_prompt_tokens", "bad_words", "allowed_token_ids")
 SAMPLING_FIELDS = _OPTIONAL_SAMPLING + _PASSED_SAMPLING + ("max_tokens", "logprobs",
                                                           "prompt_logprobs",
                                                           "structured_outputs")

@@ -1,7 +1,10 @@
-"""`bad_words` (vLLM's): the words are never generated; greedy tokens equal HF `generate` with
-the same words' token ids as `bad_words_ids`."""
+"""vLLM's token constraints: `bad_words` are never generated, `allowed_token_ids` are the only
+tokens sampled; greedy tokens equal HF `generate` under the same constraint (`bad_words_ids`,
+`prefix_allowed_tokens_fn`)."""
 
 from __future__ import annotations
+
+import pytest
 
 from engine_helpers import SMALL_ENGINE, assert_no_leaks, random_prompts
 from jaxserve import LLM, SamplingParams
@@ -46,3 +49,42 @@ def test_bad_words_are_never_generated_and_tokens_equal_hf(hf_checkpoint, compil
                                  do_sample=False, eos_token_id=None, pad_token_id=0,
                                  bad_words_ids=[list(w) for w in ids])
             assert out == ref[0, len(prompt):].tolist()
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled(hf_checkpoint, compile_cache_dir):
+    """Beside unconstrained requests in the same steps (with a grammar, the mask is both's:
+    tests/core/test_structured_output.py)."""
+    import torch
+    from hf_checkpoints import hf_model
+
+    path = hf_checkpoint("llama")
+    llm = LLM(str(path), compilation_cache_dir=compile_cache_dir, async_scheduling=True,
+              **SMALL_ENGINE)
+    prompts = random_prompts(4, 5, 30, seed=42)
+    allowed = list(range(40, 200, 3))
+    masked = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                            allowed_token_ids=allowed)
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts + prompts],
+                        [masked] * 4 + [free] * 4, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert all(set(out) <= set(allowed) for out in got[:4])
+    assert any(not set(out) <= set(allowed) for out in got[4:])  # the mask had work to do
+    assert_no_leaks(llm.engine)
+    model = hf_model(path)
+    with torch.no_grad():
+        for prompt, out in zip(prompts, got):
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+            assert out == ref[0, len(prompt):].tolist()
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_an_error_naming_the_field(
+        hf_checkpoint, compile_cache_dir):
+    llm = LLM(str(hf_checkpoint("llama")), compilation_cache_dir=compile_cache_dir,
+              **SMALL_ENGINE)
+    with pytest.raises(ValueError, match=r"allowed_token_ids: 320 is outside the vocabulary"):
+        llm.generate([{"prompt_token_ids": [5, 6]}],
+                     SamplingParams(max_tokens=2, allowed_token_ids=[5, 320]), use_tqdm=False)
+    assert_no_leaks(llm.engine)
