@@ -86,7 +86,8 @@ class RunnerConfig:
     token_buckets: list[int] | None = None  # default: powers of two, 1 to max_num_batched_tokens
     request_buckets: list[int] | None = None  # default: powers of two, 8 to max_num_seqs
     precompile: bool = False
-    strict_compile: bool = False  # raise on a compilation after warm-up
+    strict_compile: bool = False  # raise on a compilation after warm-up (but the sampler's
+    # for a new penalty history or blocked-token width: model_runner.dispatch)
     compilation_cache_dir: str | None = None  # JAX persistent cache; "" disables
     compiled_dir: str | None = None  # executables from `jaxserve compile`: nothing compiles
     # With TP: steps of at least this many tokens shard the residual stream by rows and overlap

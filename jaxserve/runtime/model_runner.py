@@ -244,12 +244,14 @@ class ModelRunner:
             logits, rows = self._call_step(arrays, key, prev, replicate(inputs, self.mesh))
         sampling_inputs, sampling_layout = pack(sampling)
         if ("sample", sampling_layout) not in self.executables:
-            self._count_shape(("sample", len(arrays.logits_indices),
-                               sampling.output_token_ids.shape[1],
-                               sampling.prompt_token_ids.shape[1],
-                               sampling.blocked_token_ids.shape[1],
+            histories = (sampling.output_token_ids.shape[1], sampling.prompt_token_ids.shape[1],
+                         sampling.blocked_token_ids.shape[1])
+            # Penalties' histories and blocked tokens (min_tokens, bad_words) come in widths
+            # warm-up cannot enumerate: the sampler alone compiles for each on first use (a
+            # fraction of a second), strict_compile or not.
+            self._count_shape(("sample", len(arrays.logits_indices), *histories,
                                sampling.token_bitmask.shape[1], sampling.all_greedy,
-                               sampling.num_logprobs))
+                               sampling.num_logprobs), strict=not any(histories))
         out, self.prev, ids = self._call_sampler(sampling_layout, logits, prev, rows,
                                                  replicate(sampling_inputs, self.mesh))
         self._last_step = _LastStep(arrays, layout, prev, inputs, sampling_layout,
@@ -391,9 +393,9 @@ class ModelRunner:
         finally:
             self.warmed_up = warmed
 
-    def _count_shape(self, key: tuple[Any, ...]) -> None:
+    def _count_shape(self, key: tuple[Any, ...], strict: bool = True) -> None:
         if key not in self.compiled_shapes:
-            if self.warmed_up and self.config.runner.strict_compile:
+            if strict and self.warmed_up and self.config.runner.strict_compile:
                 raise UnexpectedCompilationError(f"shape {key} was not compiled at warm-up")
             self.compiled_shapes.add(key)
             self.num_compilations += 1

@@ -59,16 +59,26 @@ def test_200_random_requests_trigger_no_compilation_after_warm_up(hf_checkpoint,
     assert len(backend_compiles) == compiles_at_warm_up
 
 
-def test_strict_mode_raises_on_a_shape_missed_at_warm_up(hf_checkpoint):
+def test_strict_mode_compiles_the_samplers_history_widths_and_raises_on_any_other(
+        hf_checkpoint):
+    """Penalties, min_tokens and bad_words come in widths warm-up cannot enumerate: the sampler
+    alone compiles for them on first use (the request is served, not the engine stopped)."""
     llm = LLM(str(hf_checkpoint("llama")), max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
               max_num_batched_tokens=32, token_buckets=[32], request_buckets=[4],
               precompile=True, strict_compile=True, compilation_cache_dir="")
+    runner = llm.engine.core.executor.worker.runner
+    warm = set(runner.compiled_shapes)
     out = llm.generate({"prompt_token_ids": [3, 4, 5]},  # logprobs are warmed up
                        SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False)[0]
-    assert len(out.outputs[0].logprobs) == 2
+    assert len(out.outputs[0].logprobs) == 2 and runner.compiled_shapes == warm
+    for params in (SamplingParams(max_tokens=2, repetition_penalty=1.2),
+                   SamplingParams(max_tokens=4, min_tokens=2),
+                   SamplingParams(max_tokens=4, bad_words=["robot"])):
+        out = llm.generate({"prompt_token_ids": [3, 4, 5]}, params, use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "length", params
+    assert {key[0] for key in runner.compiled_shapes - warm} == {"sample"}
     with pytest.raises(UnexpectedCompilationError, match="not compiled at warm-up"):
-        llm.generate({"prompt_token_ids": [3, 4, 5]},  # penalties: a width warm-up skips
-                     SamplingParams(max_tokens=2, repetition_penalty=1.2), use_tqdm=False)
+        runner._count_shape(("step", 999))  # a model shape the buckets do not hold
 
 
 def test_penalty_histories_compile_the_sampler_and_never_the_model(hf_checkpoint):
