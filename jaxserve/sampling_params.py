@@ -154,7 +154,7 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None  # vLLM's, for custom sampling code: none reads it
     # vLLM's; only the values that ask for nothing (see _check_unsupported).
     spaces_between_special_tokens: bool = True
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, float] | None = None  # added to those tokens' logits (not logprobs)
     allowed_token_ids: list[int] | None = None  # the only tokens sampled (masked on the device)
     # Words never generated: a word's last token is blocked where the output ends with the rest
     # of it (vLLM's rule: the output only, not the prompt). The engine tokenizes each word as
@@ -226,10 +226,14 @@ class SamplingParams:
         if self.spaces_between_special_tokens is not True:
             raise ValueError("spaces_between_special_tokens=False is not supported (text is "
                              "decoded as the tokenizer's own decode does)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by jaxserve (the sampler has no "
-                             "per-request token bias; allowed_token_ids, bad_words or "
-                             "structured_outputs can constrain tokens)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    and isinstance(b, numbers.Real) and not isinstance(b, bool)
+                    and -100 <= b <= 100 for t, b in self.logit_bias.items()):
+                raise ValueError(f"logit_bias must map token ids (ints >= 0) to biases in "
+                                 f"[-100, 100], got {self.logit_bias!r}")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
                 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0

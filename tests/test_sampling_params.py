@@ -141,7 +141,9 @@ def test_seed_minus_one_means_random_as_vllm():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(logit_bias={5: 1.0}), "logit_bias is not supported"),
+    (dict(logit_bias={5: 101.0}), r"logit_bias must map token ids \(ints >= 0\) to biases"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias must map token ids"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias must map token ids"),
     (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list of token ids"),
     (dict(allowed_token_ids=[5, -1]), "allowed_token_ids must be a non-empty list"),
     (dict(allowed_token_ids=5), "allowed_token_ids must be a non-empty list"),

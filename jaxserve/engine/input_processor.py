@@ -140,10 +140,11 @@ class InputProcessor:
         if params.allowed_token_ids is not None and not self.supports_structured_outputs:
             raise ValueError("allowed_token_ids is not supported with disaggregated "
                              "prefill/decode (its first token is sampled unmasked)")
-        outside = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
-        if outside:
-            raise ValueError(f"allowed_token_ids: {outside[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        for name in ("allowed_token_ids", "logit_bias"):
+            outside = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+            if outside:
+                raise ValueError(f"{name}: {outside[0]} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
 
     def structured_outputs(self) -> StructuredOutputManager:
         """The grammar manager, made on first use (any thread)."""

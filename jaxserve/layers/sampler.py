@@ -25,7 +25,8 @@ import jax.numpy as jnp
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_k", "top_p", "min_p", "seeds", "steps",
                  "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "output_token_ids", "prompt_token_ids", "blocked_token_ids", "token_bitmask"],
+                 "output_token_ids", "prompt_token_ids", "blocked_token_ids", "bias_token_ids",
+                 "bias_values", "token_bitmask"],
     meta_fields=["all_greedy", "num_logprobs"])
 @dataclass(frozen=True)
 class SamplingMetadata:
@@ -42,6 +43,8 @@ class SamplingMetadata:
     prompt_token_ids: jax.Array    # i32[R, Lp]  -1 padded; Lp = 0 unless repetition penalty used
     # i32[R, B]  -1 padded; EOS/stop ids before min_tokens, bad words' next tokens
     blocked_token_ids: jax.Array
+    bias_token_ids: jax.Array      # i32[R, K]   -1 padded; logit_bias's tokens (K = 0: none)
+    bias_values: jax.Array         # f32[R, K]   added to those tokens' logits
     # i32[R, W]  structured outputs: bit t % 32 of word t // 32 allows token t (free rows all
     # ones); W = ceil(V / 32), or 0 when no row of the step is constrained
     token_bitmask: jax.Array
@@ -74,6 +77,14 @@ def _block_tokens(logits: jax.Array, blocked_token_ids: jax.Array) -> jax.Array:
     rows = jnp.arange(logits.shape[0])[:, None]
     ids = _scatter_index(blocked_token_ids, logits.shape[1])
     return logits.at[rows, ids].set(-jnp.inf, mode="drop")
+
+
+def _add_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    if md.bias_token_ids.shape[1] == 0:
+        return logits
+    rows = jnp.arange(logits.shape[0])[:, None]
+    ids = _scatter_index(md.bias_token_ids, logits.shape[1])
+    return logits.at[rows, ids].add(md.bias_values, mode="drop")
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
@@ -197,8 +208,9 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     logits = logits.astype(jnp.float32)
     log_norm = jax.nn.logsumexp(logits, axis=-1)                          # f32[R]
 
-    processed = apply_penalties(_block_tokens(apply_token_bitmask(logits, md.token_bitmask),
-                                              md.blocked_token_ids), md)
+    # logprobs stay those of the model's own logits (vLLM's default, raw_logprobs)
+    masked = apply_token_bitmask(_add_bias(logits, md), md.token_bitmask)
+    processed = apply_penalties(_block_tokens(masked, md.blocked_token_ids), md)
     sampled = argmax(processed)
     if not md.all_greedy:
         sampled = jnp.where(md.temperature == 0, sampled, _sample_random(processed, md))

@@ -43,9 +43,9 @@ def _bucket(length: int, floor: int) -> int:
 
 
 def _pad_rows(entries: list[tuple[int, Sequence[int] | np.ndarray]], num_rows: int,
-              floor: int) -> np.ndarray:
+              floor: int, fill: int | float = -1, dtype: type = np.int32) -> np.ndarray:
     width = _bucket(max((len(ids) for _, ids in entries), default=0), floor)
-    out = np.full((num_rows, width), -1, np.int32)
+    out = np.full((num_rows, width), fill, dtype)
     for row, ids in entries:
         out[row, :len(ids)] = ids
     return out
@@ -84,6 +84,8 @@ def make_sampling_metadata(rows: Sequence[RowSpec | None], num_rows_padded: int,
     outputs: list[tuple[int, Sequence[int] | np.ndarray]] = []
     prompts: list[tuple[int, Sequence[int] | np.ndarray]] = []
     blocked: list[tuple[int, Sequence[int] | np.ndarray]] = []
+    bias_ids: list[tuple[int, Sequence[int]]] = []
+    bias_values: list[tuple[int, Sequence[float]]] = []
     max_logprobs = 0
 
     for i, row in enumerate(rows):
@@ -110,6 +112,9 @@ def make_sampling_metadata(rows: Sequence[RowSpec | None], num_rows_padded: int,
             blocked_ids += list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
         if blocked_ids:
             blocked.append((i, blocked_ids))
+        if p.logit_bias:
+            bias_ids.append((i, list(p.logit_bias)))
+            bias_values.append((i, list(p.logit_bias.values())))
         if p.logprobs is not None:
             max_logprobs = max(max_logprobs, logprobs_width(p.logprobs))
 
@@ -125,6 +130,8 @@ def make_sampling_metadata(rows: Sequence[RowSpec | None], num_rows_padded: int,
         output_token_ids=_pad_rows(outputs, n, HISTORY_MIN_BUCKET),
         prompt_token_ids=_pad_rows(prompts, n, HISTORY_MIN_BUCKET),
         blocked_token_ids=_pad_rows(blocked, n, BLOCKED_MIN_BUCKET),
+        bias_token_ids=_pad_rows(bias_ids, n, BLOCKED_MIN_BUCKET),
+        bias_values=_pad_rows(bias_values, n, BLOCKED_MIN_BUCKET, 0.0, np.float32),
         token_bitmask=np.zeros((n, 0), np.int32) if token_bitmask is None else token_bitmask,
         all_greedy=bool(np.all(temperature == 0)), num_logprobs=int(num_logprobs))
 

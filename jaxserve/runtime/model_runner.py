@@ -245,10 +245,10 @@ class ModelRunner:
         sampling_inputs, sampling_layout = pack(sampling)
         if ("sample", sampling_layout) not in self.executables:
             histories = (sampling.output_token_ids.shape[1], sampling.prompt_token_ids.shape[1],
-                         sampling.blocked_token_ids.shape[1])
-            # Penalties' histories and blocked tokens (min_tokens, bad_words) come in widths
-            # warm-up cannot enumerate: the sampler alone compiles for each on first use (a
-            # fraction of a second), strict_compile or not.
+                         sampling.blocked_token_ids.shape[1], sampling.bias_token_ids.shape[1])
+            # Penalties' histories, blocked tokens (min_tokens, bad_words) and logit_bias come
+            # in widths warm-up cannot enumerate: the sampler alone compiles for each on first
+            # use (a fraction of a second), strict_compile or not.
             self._count_shape(("sample", len(arrays.logits_indices), *histories,
                                sampling.token_bitmask.shape[1], sampling.all_greedy,
                                sampling.num_logprobs), strict=not any(histories))

@@ -1,6 +1,6 @@
 """vLLM's token constraints: `bad_words` are never generated, `allowed_token_ids` are the only
-tokens sampled; greedy tokens equal HF `generate` under the same constraint (`bad_words_ids`,
-`prefix_allowed_tokens_fn`)."""
+tokens sampled, `logit_bias` moves tokens' logits; greedy tokens equal HF `generate` under the
+same constraint (`bad_words_ids`, `prefix_allowed_tokens_fn`, `sequence_bias`)."""
 
 from __future__ import annotations
 
@@ -88,3 +88,37 @@ def test_allowed_token_ids_outside_the_vocabulary_are_an_error_naming_the_field(
         llm.generate([{"prompt_token_ids": [5, 6]}],
                      SamplingParams(max_tokens=2, allowed_token_ids=[5, 320]), use_tqdm=False)
     assert_no_leaks(llm.engine)
+
+
+def test_logit_bias_moves_the_greedy_tokens_as_hfs_sequence_bias(hf_checkpoint,
+                                                                 compile_cache_dir):
+    """Beside unbiased requests in the same steps; the logprobs stay the model's own."""
+    import torch
+    from hf_checkpoints import hf_model
+
+    path = hf_checkpoint("llama")
+    llm = LLM(str(path), compilation_cache_dir=compile_cache_dir, **SMALL_ENGINE)
+    prompts = random_prompts(4, 5, 30, seed=43)
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    unbiased = llm.generate([{"prompt_token_ids": p} for p in prompts], free, use_tqdm=False)
+    # push the first token each request picked far down, and one other token up a little
+    bias = {out.outputs[0].token_ids[0]: -100.0 for out in unbiased} | {77: 2.5}
+    biased = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1,
+                            logit_bias=bias)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts + prompts],
+                        [biased] * 4 + [free] * 4, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got[4:] == [o.outputs[0].token_ids for o in unbiased]
+    assert all(g[0] != u.outputs[0].token_ids[0] for g, u in zip(got, unbiased))
+    # the logprob of a token both runs sampled at their first step is the model's, unbiased
+    first = unbiased[0].outputs[0]
+    assert outs[4].outputs[0].logprobs[0][first.token_ids[0]].logprob == \
+        first.logprobs[0][first.token_ids[0]].logprob
+    assert_no_leaks(llm.engine)
+    model = hf_model(path)
+    with torch.no_grad():
+        for prompt, out in zip(prompts, got):
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 sequence_bias={(t,): b for t, b in bias.items()})
+            assert out == ref[0, len(prompt):].tolist()

@@ -28,7 +28,8 @@ def make_md(num_rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, se
         rows(temperature, np.float32), rows(top_k, np.int32), rows(top_p, np.float32),
         rows(min_p, np.float32), rows(seeds, np.uint32), rows(steps, np.int32),
         rows(presence, np.float32), rows(frequency, np.float32), rows(repetition, np.float32),
-        ids(output), ids(prompt), ids(blocked), ids(bitmask), all_greedy, num_logprobs)
+        ids(output), ids(prompt), ids(blocked), ids(None), np.zeros((num_rows, 0), np.float32),
+        ids(bitmask), all_greedy, num_logprobs)
 
 
 def run(logits: np.ndarray, md: SamplingMetadata) -> tuple[np.ndarray, ...]:

@@ -54,6 +54,11 @@ def test_bad_requests_get_400_while_requests_in_flight_are_unaffected(served, of
         ({"prompt": [[5, 6], 7]}, "prompt", "got a list of int and list"),
         ({"prompt": "x", "ignore_eos": "maybe"}, "ignore_eos", "valid boolean"),
         ({"prompt": "x", "skip_special_tokens": 2}, "skip_special_tokens", "valid boolean"),
+        ({"prompt": "x", "logit_bias": {"the": 1.0}}, "logit_bias", "keys must be token ids"),
+        ({"prompt": "x", "logit_bias": {"5": 500}}, "logit_bias", "biases in [-100, 100]"),
+        ({"prompt": "x", "logit_bias": {"5000": 1}}, "logit_bias", "outside the vocabulary"),
+        ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
+        ({"prompt": "x", "bad_words": [""]}, "bad_words", "non-blank strings"),
     ]
     with httpx.Client(headers=served.headers, timeout=60) as http:
         with http.stream("POST", url, json=LONG | {"max_tokens": 40}) as inflight:
@@ -226,3 +231,19 @@ def test_the_openapi_document_lists_the_errors_the_server_answers(served):
     assert resp.status_code == 400 and str(resp.status_code) in doc["paths"]["/v1/completions"][
         "post"]["responses"]
     assert httpx.put(f"{served.url}/v1/completions", headers=served.headers).status_code == 405
+
+
+def test_token_constraints_reach_the_sampler_from_the_server(served):
+    """logit_bias with OpenAI's string keys and allowed_token_ids, as vLLM takes them."""
+    body = dict(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                ignore_eos=True, return_token_ids=True)
+    with httpx.Client(headers=served.headers, timeout=60) as http:
+        def tokens(**extra: object) -> list[int]:
+            resp = http.post(f"{served.url}/v1/completions", json=body | extra)
+            assert resp.status_code == 200, resp.text
+            return resp.json()["choices"][0]["token_ids"]
+
+        assert tokens(logit_bias={"77": 100}) == [77] * 4
+        assert set(tokens(allowed_token_ids=[40, 41])) <= {40, 41}
+        assert tokens() != [77] * 4
+    wait_engine_idle(served.llm)

@@ -115,7 +115,7 @@ class SamplingRequest(APIRequest):
         "return_tokens_as_token_ids": (None, False), "logits_processors": (None, []),
         "structural_tag": (None,), "guided_decoding_backend": (None, "guidance"),
         "guided_whitespace_pattern": (None,), "kv_transfer_params": (None,),
-        "vllm_xargs": (None, {}), "logit_bias": (None, {}),
+        "vllm_xargs": (None, {}),
     }
 
     def unsupported_field(self) -> str | None:

@@ -31,7 +31,7 @@ _PASSED_SAMPLING = ("n", "seed", "stop", "min_tokens", "ignore_eos", "stop_token
                     "truncate_prompt_tokens", "bad_words", "allowed_token_ids")
 SAMPLING_FIELDS = _OPTIONAL_SAMPLING + _PASSED_SAMPLING + ("max_tokens", "logprobs",
                                                           "prompt_logprobs",
-                                                          "structured_outputs")
+                                                          "structured_outputs", "logit_bias")
 _PROMPT_FIELDS = ("prompt", "prompt_token_ids", "request_id", "cache_salt")
 DONE = "data: [DONE]\n\n"
 # (prompt index, output) -> the choices of the chunk it streams; none: no chunk.
@@ -163,6 +163,13 @@ class OpenAIServing:
         if max_tokens is None:  # the default, cut to the room the prompt leaves by the engine
             max_tokens = self.sampling_defaults.get("max_tokens")
         kwargs["structured_outputs"] = structured_outputs_of(req)
+        if req.logit_bias:  # JSON keys are strings: OpenAI's token ids
+            try:
+                kwargs["logit_bias"] = {int(t): b for t, b in req.logit_bias.items()}
+            except ValueError:
+                raise bad_request(ValueError(f"logit_bias: keys must be token ids, got "
+                                             f"{sorted(req.logit_bias)[:3]!r}"),
+                                  fields=SAMPLING_FIELDS) from None
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                                   prompt_logprobs=prompt_logprobs,
