@@ -20,8 +20,10 @@ def random_prompts(n: int, low: int, high: int, seed: int, vocab: int = 320) -> 
             for _ in range(n)]
 
 
-def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """HF `generate`, greedy, one prompt at a time (no padding), EOS ignored."""
+def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int,
+              **constraint: object) -> list[list[int]]:
+    """HF `generate`, greedy, one prompt at a time (no padding), EOS ignored; `constraint`:
+    arguments of its logits processors (bad_words_ids, sequence_bias, ...)."""
     import torch
     from hf_checkpoints import hf_model
 
@@ -31,7 +33,7 @@ def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[
         for ids in prompts:
             out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
                                  min_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
+                                 eos_token_id=None, pad_token_id=0, **constraint)
             outs.append(out[0, len(ids):].tolist())
     return outs
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import SMALL_ENGINE, assert_no_leaks, random_prompts
+from engine_helpers import SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prompts
 from jaxserve import LLM, SamplingParams
 
 
@@ -15,9 +15,6 @@ def contains(tokens: list[int], word: tuple[int, ...]) -> bool:
 
 
 def test_bad_words_are_never_generated_and_tokens_equal_hf(hf_checkpoint, compile_cache_dir):
-    import torch
-    from hf_checkpoints import hf_model
-
     path = hf_checkpoint("llama")
     llm = LLM(str(path), compilation_cache_dir=compile_cache_dir, async_scheduling=True,
               **SMALL_ENGINE)
@@ -42,21 +39,12 @@ def test_bad_words_are_never_generated_and_tokens_equal_hf(hf_checkpoint, compil
     # HF checks the prompt too; vLLM the output only: equal where no prompt ends in a word's
     # first tokens
     assert not any(len(w) > 1 and tuple(p[-len(w) + 1:]) == w[:-1] for p in prompts for w in ids)
-    model = hf_model(path)
-    with torch.no_grad():
-        for prompt, out in zip(prompts, got):
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 bad_words_ids=[list(w) for w in ids])
-            assert out == ref[0, len(prompt):].tolist()
+    assert got == hf_greedy(path, prompts, 20, bad_words_ids=[list(w) for w in ids])
 
 
 def test_allowed_token_ids_are_the_only_tokens_sampled(hf_checkpoint, compile_cache_dir):
     """Beside unconstrained requests in the same steps (with a grammar, the mask is both's:
     tests/core/test_structured_output.py)."""
-    import torch
-    from hf_checkpoints import hf_model
-
     path = hf_checkpoint("llama")
     llm = LLM(str(path), compilation_cache_dir=compile_cache_dir, async_scheduling=True,
               **SMALL_ENGINE)
@@ -71,13 +59,8 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(hf_checkpoint, compile_ca
     assert all(set(out) <= set(allowed) for out in got[:4])
     assert any(not set(out) <= set(allowed) for out in got[4:])  # the mask had work to do
     assert_no_leaks(llm.engine)
-    model = hf_model(path)
-    with torch.no_grad():
-        for prompt, out in zip(prompts, got):
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 prefix_allowed_tokens_fn=lambda batch, ids: allowed)
-            assert out == ref[0, len(prompt):].tolist()
+    assert got[:4] == hf_greedy(path, prompts, 12,
+                                prefix_allowed_tokens_fn=lambda batch, ids: allowed)
 
 
 def test_allowed_token_ids_outside_the_vocabulary_are_an_error_naming_the_field(
@@ -93,9 +76,6 @@ def test_allowed_token_ids_outside_the_vocabulary_are_an_error_naming_the_field(
 def test_logit_bias_moves_the_greedy_tokens_as_hfs_sequence_bias(hf_checkpoint,
                                                                  compile_cache_dir):
     """Beside unbiased requests in the same steps; the logprobs stay the model's own."""
-    import torch
-    from hf_checkpoints import hf_model
-
     path = hf_checkpoint("llama")
     llm = LLM(str(path), compilation_cache_dir=compile_cache_dir, **SMALL_ENGINE)
     prompts = random_prompts(4, 5, 30, seed=43)
@@ -115,10 +95,5 @@ def test_logit_bias_moves_the_greedy_tokens_as_hfs_sequence_bias(hf_checkpoint,
     assert outs[4].outputs[0].logprobs[0][first.token_ids[0]].logprob == \
         first.logprobs[0][first.token_ids[0]].logprob
     assert_no_leaks(llm.engine)
-    model = hf_model(path)
-    with torch.no_grad():
-        for prompt, out in zip(prompts, got):
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 sequence_bias={(t,): b for t, b in bias.items()})
-            assert out == ref[0, len(prompt):].tolist()
+    assert got[:4] == hf_greedy(path, prompts, 12,
+                                sequence_bias={(t,): b for t, b in bias.items()})
