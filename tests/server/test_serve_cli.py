@@ -82,3 +82,48 @@ def test_the_server_exits_non_zero_once_the_engine_is_dead(engine_args, monkeypa
         asyncio.run(generate())
     thread.join(30)
     assert codes == [1]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+    (["--ssl-keyfile", "/no/k.pem", "--ssl-certfile", "/no/c.pem"],
+     "--ssl-keyfile: /no/k.pem is not a file"),
+    (["--allowed-origins", "https://a.example"], "--allowed-origins must be a JSON list"),
+    (["--allowed-origins", '{"a": 1}'], "--allowed-origins must be a JSON list"),
+])
+def test_serve_checks_vllms_http_flags_before_loading_anything(flags, message):
+    args = build_parser().parse_args(["serve", "/no/such/model", *flags])
+    with pytest.raises(ValueError, match=message):
+        cmd_serve(args)
+
+
+def test_serve_reads_vllms_http_flags(tmp_path):
+    from jaxserve.entrypoints.cli.serve import server_options
+
+    (tmp_path / "k.pem").write_text("key")
+    (tmp_path / "c.pem").write_text("cert")
+    args = build_parser().parse_args([
+        "serve", "/models/tiny", "--root-path", "/llm", "--ssl-keyfile", str(tmp_path / "k.pem"),
+        "--ssl-certfile", str(tmp_path / "c.pem"), "--allowed-origins", '["https://a.example"]'])
+    assert server_options(args) == {
+        "root_path": "/llm", "ssl_keyfile": str(tmp_path / "k.pem"),
+        "ssl_certfile": str(tmp_path / "c.pem"), "allowed_origins": ["https://a.example"]}
+
+
+def test_allowed_origins_answer_a_browsers_preflight_before_the_api_key(served):
+    from fastapi.testclient import TestClient
+
+    from jaxserve.entrypoints.openai.api_server import build_app
+
+    app = build_app(served.llm, ["m"], api_key="secret", allowed_origins=["https://a.example"])
+    client = TestClient(app)
+    preflight = client.options("/v1/completions", headers={
+        "Origin": "https://a.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://a.example"
+    denied = client.get("/v1/models", headers={"Origin": "https://a.example"})
+    assert denied.status_code == 401  # the key is still required, the answer readable
+    assert denied.headers["access-control-allow-origin"] == "https://a.example"
+    other = client.get("/health", headers={"Origin": "https://b.example"})
+    assert "access-control-allow-origin" not in other.headers

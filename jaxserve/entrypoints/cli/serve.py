@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from pathlib import Path
+from typing import Any
 
 from jaxserve.entrypoints.cli.args import add_config_arg, add_engine_args, engine_kwargs
 from jaxserve.entrypoints.openai import API_KEY_ENV
@@ -16,6 +19,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxserve.entrypoints.openai.api_server import run_server
     from jaxserve.models.chat_template import load_chat_template
 
+    options = server_options(args)  # before loading anything: a bad flag fails at once
     chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     llm = AsyncLLM(args.model, max_queued_requests=args.max_queued_requests,
                    **engine_kwargs(args, skip=("model",)))
@@ -29,7 +33,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       args.host, args.port,
                       api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                       log_level=args.uvicorn_log_level, open_metrics=args.open_metrics,
-                      chat_template=chat_template, **limits)
+                      chat_template=chat_template, **limits, **options)
+
+
+def server_options(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's HTTP flags, checked: run_server's root_path, TLS files and CORS origins."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: pass both for HTTPS")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{flag}: {path} is not a file")
+    origins = None
+    if args.allowed_origins is not None:
+        try:
+            origins = json.loads(args.allowed_origins)
+        except json.JSONDecodeError:
+            origins = None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ValueError(f"--allowed-origins must be a JSON list of origins (e.g. "
+                             f"'[\"https://example.com\"]'), got {args.allowed_origins!r}")
+    return {"root_path": args.root_path, "ssl_keyfile": args.ssl_keyfile,
+            "ssl_certfile": args.ssl_certfile, "allowed_origins": origins}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,6 +83,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="name(s) clients use in 'model' (default: the model argument)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests that may wait for the engine; more get HTTP 503")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a proxy serves the API under (ASGI root_path)")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file")
+    g.add_argument("--ssl-certfile", default=None, help="and this certificate file")
+    g.add_argument("--allowed-origins", default=None,
+                   help="CORS: a JSON list of the origins browsers may call from, e.g. "
+                   "'[\"*\"]' (default: no CORS headers)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.set_defaults(func=cmd_serve)

@@ -12,6 +12,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -61,9 +62,11 @@ class APIKeyMiddleware:
 def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None = None, *,
               open_metrics: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None,
+              allowed_origins: list[str] | None = None) -> FastAPI:
     """With `api_key`, every route but /health and /ping needs it (/metrics too unless
-    `open_metrics`). `chat_template` replaces the model's for every chat request."""
+    `open_metrics`). `chat_template` replaces the model's for every chat request;
+    `allowed_origins`, the origins browsers may call from (CORS), none by default."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
@@ -80,10 +83,13 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
     install_error_handlers(app)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_body_bytes,
                        read_timeout_s=read_timeout_s)
-    if api_key:  # added last: the outermost, so an unauthorised body is never read
+    if api_key:  # outside the limits: an unauthorised body is never read
         open_paths = frozenset({"/health", "/ping"} | ({"/metrics"} if open_metrics
                                                        else set()))
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    if allowed_origins:  # outermost of all: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
     app.state.llm, app.state.metrics = llm, metrics
 
     keyed = (401,) if api_key else ()
@@ -203,7 +209,9 @@ def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: in
                api_key: str | None = None, log_level: str = "info", *,
                open_metrics: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-               chat_template: str | None = None) -> int:
+               chat_template: str | None = None, root_path: str = "",
+               ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
+               allowed_origins: list[str] | None = None) -> int:
     """Serve until interrupted (SIGINT/SIGTERM: returns 0) or until the engine dies (returns 1,
     so that a supervisor restarts the process rather than keep one that only answers 503).
     `read_timeout_s` bounds how long a request's headers, and then its whole body, may take
@@ -211,10 +219,11 @@ def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: in
     warn_if_exposed(host, api_key)
     app = build_app(llm, served_model_names, api_key, open_metrics=open_metrics,
                     max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s,
-                    chat_template=chat_template)
+                    chat_template=chat_template, allowed_origins=allowed_origins)
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-        http=timed_h11(read_timeout_s)))
+        http=timed_h11(read_timeout_s), root_path=root_path, ssl_keyfile=ssl_keyfile,
+        ssl_certfile=ssl_certfile))
     watcher = threading.Thread(target=_exit_when_dead, args=(llm, server), daemon=True,
                                name="jaxserve-engine-watch")
     watcher.start()
