@@ -90,6 +90,7 @@ def test_the_server_exits_non_zero_once_the_engine_is_dead(engine_args, monkeypa
      "--ssl-keyfile: /no/k.pem is not a file"),
     (["--allowed-origins", "https://a.example"], "--allowed-origins must be a JSON list"),
     (["--allowed-origins", '{"a": 1}'], "--allowed-origins must be a JSON list"),
+    (["--response-role", " "], "--response-role must not be blank"),
 ])
 def test_serve_checks_vllms_http_flags_before_loading_anything(flags, message):
     args = build_parser().parse_args(["serve", "/no/such/model", *flags])
@@ -107,7 +108,8 @@ def test_serve_reads_vllms_http_flags(tmp_path):
         "--ssl-certfile", str(tmp_path / "c.pem"), "--allowed-origins", '["https://a.example"]'])
     assert server_options(args) == {
         "root_path": "/llm", "ssl_keyfile": str(tmp_path / "k.pem"),
-        "ssl_certfile": str(tmp_path / "c.pem"), "allowed_origins": ["https://a.example"]}
+        "ssl_certfile": str(tmp_path / "c.pem"), "allowed_origins": ["https://a.example"],
+        "response_role": "assistant"}
 
 
 def test_allowed_origins_answer_a_browsers_preflight_before_the_api_key(served):
@@ -127,3 +129,21 @@ def test_allowed_origins_answer_a_browsers_preflight_before_the_api_key(served):
     assert denied.headers["access-control-allow-origin"] == "https://a.example"
     other = client.get("/health", headers={"Origin": "https://b.example"})
     assert "access-control-allow-origin" not in other.headers
+
+
+def test_the_response_role_names_replies_to_a_generation_prompt(served):
+    """vLLM's rule: --response-role for a reply to a generation prompt; continuing the
+    conversation without one, the last message's role."""
+    from fastapi.testclient import TestClient
+
+    from jaxserve.entrypoints.openai.api_server import build_app
+
+    client = TestClient(build_app(served.llm, ["m"], response_role="bot"))
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    reply = client.post("/v1/chat/completions", json=body).json()
+    assert reply["choices"][0]["message"]["role"] == "bot"
+    cont = client.post("/v1/chat/completions", json=body | {"add_generation_prompt": False})
+    assert cont.json()["choices"][0]["message"]["role"] == "user"
+    with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as stream:
+        first = next(line for line in stream.iter_lines() if line.startswith("data: {"))
+    assert '"role":"bot"' in first.replace(" ", "")

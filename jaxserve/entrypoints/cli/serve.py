@@ -37,7 +37,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
-    """vLLM's HTTP flags, checked: run_server's root_path, TLS files and CORS origins."""
+    """vLLM's HTTP flags, checked: run_server's root_path, TLS files, CORS origins and chat
+    response role."""
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: pass both for HTTPS")
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
@@ -52,8 +53,11 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
             raise ValueError(f"--allowed-origins must be a JSON list of origins (e.g. "
                              f"'[\"https://example.com\"]'), got {args.allowed_origins!r}")
+    if not args.response_role.strip():
+        raise ValueError("--response-role must not be blank")
     return {"root_path": args.root_path, "ssl_keyfile": args.ssl_keyfile,
-            "ssl_certfile": args.ssl_certfile, "allowed_origins": origins}
+            "ssl_certfile": args.ssl_certfile, "allowed_origins": origins,
+            "response_role": args.response_role}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -90,6 +94,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--allowed-origins", default=None,
                    help="CORS: a JSON list of the origins browsers may call from, e.g. "
                    "'[\"*\"]' (default: no CORS headers)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of chat replies to a generation prompt")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.set_defaults(func=cmd_serve)

@@ -63,7 +63,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
               open_metrics: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
               chat_template: str | None = None,
-              allowed_origins: list[str] | None = None) -> FastAPI:
+              allowed_origins: list[str] | None = None,
+              response_role: str = "assistant") -> FastAPI:
     """With `api_key`, every route but /health and /ping needs it (/metrics too unless
     `open_metrics`). `chat_template` replaces the model's for every chat request;
     `allowed_origins`, the origins browsers may call from (CORS), none by default."""
@@ -79,6 +80,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
     metrics = ServerMetrics(llm, served_model_names[0])
     completions = OpenAIServingCompletion(llm, served_model_names, metrics)
     chat = OpenAIServingChat(llm, served_model_names, metrics, chat_template)
+    chat.response_role = response_role
     tokenization = OpenAIServingTokenization(llm, served_model_names, metrics, chat_template)
     install_error_handlers(app)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_body_bytes,
@@ -211,7 +213,8 @@ def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: in
                read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
                chat_template: str | None = None, root_path: str = "",
                ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
-               allowed_origins: list[str] | None = None) -> int:
+               allowed_origins: list[str] | None = None,
+               response_role: str = "assistant") -> int:
     """Serve until interrupted (SIGINT/SIGTERM: returns 0) or until the engine dies (returns 1,
     so that a supervisor restarts the process rather than keep one that only answers 503).
     `read_timeout_s` bounds how long a request's headers, and then its whole body, may take
@@ -219,7 +222,8 @@ def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: in
     warn_if_exposed(host, api_key)
     app = build_app(llm, served_model_names, api_key, open_metrics=open_metrics,
                     max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s,
-                    chat_template=chat_template, allowed_origins=allowed_origins)
+                    chat_template=chat_template, allowed_origins=allowed_origins,
+                    response_role=response_role)
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
         http=timed_h11(read_timeout_s), root_path=root_path, ssl_keyfile=ssl_keyfile,

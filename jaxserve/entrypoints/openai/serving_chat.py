@@ -23,6 +23,16 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 class OpenAIServingChat(OpenAIServing):
+    # vLLM's --response-role: the role of a reply to a generation prompt
+    response_role: str = "assistant"
+
+    def role(self, req: ChatCompletionRequest) -> str:
+        """The reply's role: the server's response role, or, continuing the conversation
+        without a generation prompt, the last message's (as vLLM does)."""
+        if req.add_generation_prompt or not req.messages:
+            return self.response_role
+        return req.messages[-1].role
+
     async def create(self, req: ChatCompletionRequest) -> Response:
         self.check_request(req)
         top = req.top_logprobs
@@ -86,7 +96,7 @@ class OpenAIServingChat(OpenAIServing):
                         token_ids=comp.token_ids if req.return_token_ids else None))
             return chosen
 
-        head = [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+        head = [ChatStreamChoice(index=i, delta=DeltaMessage(role=self.role(req), content=""))
                 for i in range(n)]
         return self.stream(request_id, model, [gen], n, req, ChatCompletionChunk, choices, head)
 
@@ -112,12 +122,13 @@ class OpenAIServingChat(OpenAIServing):
                         reasons[i] = (comp.finish_reason, comp.stop_reason)
         finally:
             tracker.close()
-        messages = [ChatMessageOut(content=text) for text in texts]
+        role = self.role(req)
+        messages = [ChatMessageOut(role=role, content=text) for text in texts]
         mode = tool_mode(req)
         if mode != "none":
             for i, text in enumerate(texts):
                 content, calls = parse_tool_calls(text, mode, req)
-                messages[i] = ChatMessageOut(content=content, tool_calls=calls or None)
+                messages[i] = ChatMessageOut(role=role, content=content, tool_calls=calls or None)
                 if calls and reasons[i][0] == "stop":
                     reasons[i] = ("tool_calls", reasons[i][1])
         return ChatCompletionResponse(
