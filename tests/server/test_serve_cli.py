@@ -105,11 +105,12 @@ def test_serve_reads_vllms_http_flags(tmp_path):
     (tmp_path / "c.pem").write_text("cert")
     args = build_parser().parse_args([
         "serve", "/models/tiny", "--root-path", "/llm", "--ssl-keyfile", str(tmp_path / "k.pem"),
-        "--ssl-certfile", str(tmp_path / "c.pem"), "--allowed-origins", '["https://a.example"]'])
+        "--ssl-certfile", str(tmp_path / "c.pem"), "--allowed-origins", '["https://a.example"]',
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert server_options(args) == {
         "root_path": "/llm", "ssl_keyfile": str(tmp_path / "k.pem"),
         "ssl_certfile": str(tmp_path / "c.pem"), "allowed_origins": ["https://a.example"],
-        "response_role": "assistant"}
+        "response_role": "assistant", "tool_call_parser": "hermes"}
 
 
 def test_allowed_origins_answer_a_browsers_preflight_before_the_api_key(served):

@@ -140,3 +140,15 @@ def test_tool_call_parsers_read_hermes_and_llama3_calls():
     assert content is None and calls[0].function.name == "get_time"
     assert parse_tool_calls("plain words {not json", "auto", req) == (
         "plain words {not json", [])
+
+
+def test_a_tool_call_parser_reads_its_own_format_only():
+    """vLLM's --tool-call-parser: hermes reads <tool_call> tags, llama3_json Llama-3's JSON."""
+    req = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS)
+    hermes = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    llama3 = '<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}'
+    assert parse_tool_calls(hermes, "auto", req, "hermes")[1][0].function.name == "get_time"
+    assert parse_tool_calls(llama3, "auto", req, "hermes") == (llama3, [])
+    assert parse_tool_calls(llama3, "auto", req, "llama3_json")[1][0].function.name == \
+        "get_time"
+    assert parse_tool_calls(hermes, "auto", req, "llama3_json") == (hermes, [])

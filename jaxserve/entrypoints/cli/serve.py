@@ -57,7 +57,7 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--response-role must not be blank")
     return {"root_path": args.root_path, "ssl_keyfile": args.ssl_keyfile,
             "ssl_certfile": args.ssl_certfile, "allowed_origins": origins,
-            "response_role": args.response_role}
+            "response_role": args.response_role, "tool_call_parser": args.tool_call_parser}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -96,6 +96,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "'[\"*\"]' (default: no CORS headers)")
     g.add_argument("--response-role", default="assistant",
                    help="the role of chat replies to a generation prompt")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice 'auto': always on here (accepted)")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="read 'auto' tool calls in this format only (default: Hermes "
+                   "<tool_call> tags or Llama-3 JSON, whichever the reply holds)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.set_defaults(func=cmd_serve)

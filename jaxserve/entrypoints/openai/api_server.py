@@ -35,6 +35,7 @@ from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_common import cancel_on_disconnect
 from jaxserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from jaxserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
               chat_template: str | None = None,
               allowed_origins: list[str] | None = None,
-              response_role: str = "assistant") -> FastAPI:
+              response_role: str = "assistant",
+              tool_call_parser: str | None = None) -> FastAPI:
     """With `api_key`, every route but /health and /ping needs it (/metrics too unless
     `open_metrics`). `chat_template` replaces the model's for every chat request;
     `allowed_origins`, the origins browsers may call from (CORS), none by default."""
@@ -75,12 +77,15 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
         raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     if not read_timeout_s > 0:
         raise ValueError(f"read_timeout_s must be > 0, got {read_timeout_s!r}")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, "
+                         f"got {tool_call_parser!r}")
     app = FastAPI(title="jaxserve", summary="OpenAI-compatible API over jaxserve")
     app.router.route_class = ParsedBodyRoute
     metrics = ServerMetrics(llm, served_model_names[0])
     completions = OpenAIServingCompletion(llm, served_model_names, metrics)
     chat = OpenAIServingChat(llm, served_model_names, metrics, chat_template)
-    chat.response_role = response_role
+    chat.response_role, chat.tool_call_parser = response_role, tool_call_parser
     tokenization = OpenAIServingTokenization(llm, served_model_names, metrics, chat_template)
     install_error_handlers(app)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_body_bytes,
@@ -214,7 +219,7 @@ def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: in
                chat_template: str | None = None, root_path: str = "",
                ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
                allowed_origins: list[str] | None = None,
-               response_role: str = "assistant") -> int:
+               response_role: str = "assistant", tool_call_parser: str | None = None) -> int:
     """Serve until interrupted (SIGINT/SIGTERM: returns 0) or until the engine dies (returns 1,
     so that a supervisor restarts the process rather than keep one that only answers 503).
     `read_timeout_s` bounds how long a request's headers, and then its whole body, may take
@@ -223,7 +228,7 @@ def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: in
     app = build_app(llm, served_model_names, api_key, open_metrics=open_metrics,
                     max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s,
                     chat_template=chat_template, allowed_origins=allowed_origins,
-                    response_role=response_role)
+                    response_role=response_role, tool_call_parser=tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
         http=timed_h11(read_timeout_s), root_path=root_path, ssl_keyfile=ssl_keyfile,

@@ -25,6 +25,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 class OpenAIServingChat(OpenAIServing):
     # vLLM's --response-role: the role of a reply to a generation prompt
     response_role: str = "assistant"
+    # vLLM's --tool-call-parser: the one format `auto` tool calls are read in (None: any)
+    tool_call_parser: str | None = None
 
     def role(self, req: ChatCompletionRequest) -> str:
         """The reply's role: the server's response role, or, continuing the conversation
@@ -83,7 +85,8 @@ class OpenAIServingChat(OpenAIServing):
                     held[comp.index] += comp.text
                     delta = DeltaMessage()
                     if finish is not None:
-                        content, calls = parse_tool_calls(held[comp.index], mode, req)
+                        content, calls = parse_tool_calls(held[comp.index], mode, req,
+                                                          self.tool_call_parser)
                         delta = DeltaMessage(content=content,
                                              tool_calls=tool_call_deltas(calls) or None)
                         finish = "tool_calls" if calls and finish == "stop" else finish
@@ -127,7 +130,7 @@ class OpenAIServingChat(OpenAIServing):
         mode = tool_mode(req)
         if mode != "none":
             for i, text in enumerate(texts):
-                content, calls = parse_tool_calls(text, mode, req)
+                content, calls = parse_tool_calls(text, mode, req, self.tool_call_parser)
                 messages[i] = ChatMessageOut(role=role, content=content, tool_calls=calls or None)
                 if calls and reasons[i][0] == "stop":
                     reasons[i] = ("tool_calls", reasons[i][1])

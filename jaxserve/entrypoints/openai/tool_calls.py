@@ -61,8 +61,10 @@ def _llama3(text: str) -> tuple[str | None, list[ToolCall]] | None:
 
 
 def parse_tool_calls(text: str, mode: str, req: ChatCompletionRequest,
-                     ) -> tuple[str | None, list[ToolCall]]:
-    """(content, tool calls) of one finished choice; `mode` from structured.tool_mode."""
+                     parser: str | None = None) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of one finished choice; `mode` from structured.tool_mode;
+    `parser` (vLLM's --tool-call-parser, one of TOOL_CALL_PARSERS) the only format an `auto`
+    reply's calls are read in, or None: any of them."""
     if mode == "named":
         return None, [_call(forced_function(req), text)]
     if mode == "required":
@@ -74,11 +76,14 @@ def parse_tool_calls(text: str, mode: str, req: ChatCompletionRequest,
             return None, calls
         return text, []
     if mode == "auto":
-        for parser in (_hermes, _llama3):
-            found = parser(text)
+        for read in ([TOOL_CALL_PARSERS[parser]] if parser else TOOL_CALL_PARSERS.values()):
+            found = read(text)
             if found is not None:
                 return found
     return text, []
+
+
+TOOL_CALL_PARSERS = {"hermes": _hermes, "llama3_json": _llama3}
 
 
 def tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
