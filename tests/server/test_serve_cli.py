@@ -91,6 +91,7 @@ def test_the_server_exits_non_zero_once_the_engine_is_dead(engine_args, monkeypa
     (["--allowed-origins", "https://a.example"], "--allowed-origins must be a JSON list"),
     (["--allowed-origins", '{"a": 1}'], "--allowed-origins must be a JSON list"),
     (["--response-role", " "], "--response-role must not be blank"),
+    (["--max-log-len", "-1"], "--max-log-len must be >= 0"),
 ])
 def test_serve_checks_vllms_http_flags_before_loading_anything(flags, message):
     args = build_parser().parse_args(["serve", "/no/such/model", *flags])
@@ -106,11 +107,13 @@ def test_serve_reads_vllms_http_flags(tmp_path):
     args = build_parser().parse_args([
         "serve", "/models/tiny", "--root-path", "/llm", "--ssl-keyfile", str(tmp_path / "k.pem"),
         "--ssl-certfile", str(tmp_path / "c.pem"), "--allowed-origins", '["https://a.example"]',
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-log-requests",
+        "--max-log-len", "8"])
     assert server_options(args) == {
         "root_path": "/llm", "ssl_keyfile": str(tmp_path / "k.pem"),
         "ssl_certfile": str(tmp_path / "c.pem"), "allowed_origins": ["https://a.example"],
-        "response_role": "assistant", "tool_call_parser": "hermes"}
+        "response_role": "assistant", "tool_call_parser": "hermes", "log_requests": True,
+        "max_log_len": 8}
 
 
 def test_allowed_origins_answer_a_browsers_preflight_before_the_api_key(served):
@@ -148,3 +151,19 @@ def test_the_response_role_names_replies_to_a_generation_prompt(served):
     with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as stream:
         first = next(line for line in stream.iter_lines() if line.startswith("data: {"))
     assert '"role":"bot"' in first.replace(" ", "")
+
+
+def test_logged_requests_show_their_prompt_cut_to_max_log_len(served, caplog):
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from jaxserve.entrypoints.openai.api_server import build_app
+
+    client = TestClient(build_app(served.llm, ["m"], log_requests=True, max_log_len=6))
+    with caplog.at_level(logging.INFO, logger="jaxserve.entrypoints.openai.serving_common"):
+        resp = client.post("/v1/completions", json={"model": "m", "prompt": "Once upon a time",
+                                                    "max_tokens": 2})
+    assert resp.status_code == 200
+    (line,) = [r.getMessage() for r in caplog.records if "prompt " in r.getMessage()]
+    assert "prompt 'Once u'," in line and "max_tokens=2" in line

@@ -37,8 +37,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
-    """vLLM's HTTP flags, checked: run_server's root_path, TLS files, CORS origins and chat
-    response role."""
+    """vLLM's server flags, checked: run_server's root_path, TLS files, CORS origins, chat
+    response role, tool-call parser and request logging."""
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: pass both for HTTPS")
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
@@ -53,11 +53,14 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
             raise ValueError(f"--allowed-origins must be a JSON list of origins (e.g. "
                              f"'[\"https://example.com\"]'), got {args.allowed_origins!r}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if not args.response_role.strip():
         raise ValueError("--response-role must not be blank")
     return {"root_path": args.root_path, "ssl_keyfile": args.ssl_keyfile,
             "ssl_certfile": args.ssl_certfile, "allowed_origins": origins,
-            "response_role": args.response_role, "tool_call_parser": args.tool_call_parser}
+            "response_role": args.response_role, "tool_call_parser": args.tool_call_parser,
+            "log_requests": args.enable_log_requests, "max_log_len": args.max_log_len}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -101,6 +104,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="read 'auto' tool calls in this format only (default: Hermes "
                    "<tool_call> tags or Llama-3 JSON, whichever the reply holds)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's prompt and sampling parameters (INFO)")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="characters / token ids of a logged prompt (default: all)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     serve.set_defaults(func=cmd_serve)

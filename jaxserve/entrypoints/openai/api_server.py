@@ -66,7 +66,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
               chat_template: str | None = None,
               allowed_origins: list[str] | None = None,
               response_role: str = "assistant",
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, log_requests: bool = False,
+              max_log_len: int | None = None) -> FastAPI:
     """With `api_key`, every route but /health and /ping needs it (/metrics too unless
     `open_metrics`). `chat_template` replaces the model's for every chat request;
     `allowed_origins`, the origins browsers may call from (CORS), none by default."""
@@ -86,6 +87,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
     completions = OpenAIServingCompletion(llm, served_model_names, metrics)
     chat = OpenAIServingChat(llm, served_model_names, metrics, chat_template)
     chat.response_role, chat.tool_call_parser = response_role, tool_call_parser
+    for serving in (completions, chat):
+        serving.log_requests, serving.max_log_len = log_requests, max_log_len
     tokenization = OpenAIServingTokenization(llm, served_model_names, metrics, chat_template)
     install_error_handlers(app)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_body_bytes,
@@ -219,7 +222,8 @@ def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: in
                chat_template: str | None = None, root_path: str = "",
                ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
                allowed_origins: list[str] | None = None,
-               response_role: str = "assistant", tool_call_parser: str | None = None) -> int:
+               response_role: str = "assistant", tool_call_parser: str | None = None,
+               log_requests: bool = False, max_log_len: int | None = None) -> int:
     """Serve until interrupted (SIGINT/SIGTERM: returns 0) or until the engine dies (returns 1,
     so that a supervisor restarts the process rather than keep one that only answers 503).
     `read_timeout_s` bounds how long a request's headers, and then its whole body, may take
@@ -228,7 +232,8 @@ def run_server(llm: AsyncLLM, served_model_names: list[str], host: str, port: in
     app = build_app(llm, served_model_names, api_key, open_metrics=open_metrics,
                     max_body_bytes=max_body_bytes, read_timeout_s=read_timeout_s,
                     chat_template=chat_template, allowed_origins=allowed_origins,
-                    response_role=response_role, tool_call_parser=tool_call_parser)
+                    response_role=response_role, tool_call_parser=tool_call_parser,
+                    log_requests=log_requests, max_log_len=max_log_len)
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
         http=timed_h11(read_timeout_s), root_path=root_path, ssl_keyfile=ssl_keyfile,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ from jaxserve.entrypoints.openai.structured import structured_outputs_of
 from jaxserve.models.chat_template import template_variables, text_content
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                       "frequency_penalty", "repetition_penalty")
@@ -54,6 +57,11 @@ class SSEResponse(StreamingResponse):
 
 
 class OpenAIServing:
+    # vLLM's --enable-log-requests: each request's prompt and parameters logged at INFO, the
+    # prompt cut to --max-log-len characters / token ids (None: whole)
+    log_requests: bool = False
+    max_log_len: int | None = None
+
     def __init__(self, llm: AsyncLLM, model_names: list[str], metrics: ServerMetrics,
                  chat_template: str | None = None):
         self.llm = llm
@@ -186,6 +194,12 @@ class OpenAIServing:
                     req: SamplingRequest) -> list[AsyncIterator[RequestOutput]]:
         """Submit every prompt and wait for each one's first output, so that a bad prompt
         fails the whole request before any byte of the response is sent."""
+        if self.log_requests:
+            cut = self.max_log_len
+            for i, p in enumerate(prompts):
+                logger.info("request %s-%d: prompt %r, prompt_token_ids %s, params %s",
+                            request_id, i, (p.get("prompt") or "")[:cut],
+                            (p.get("prompt_token_ids") or [])[:cut], params)
         gens = [self.llm.generate(p, params, f"{request_id}-{i}", priority=req.priority,
                                   cache_salt=req.cache_salt) for i, p in enumerate(prompts)]
         try:
