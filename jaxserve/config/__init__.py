@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import yaml
 
 from jaxserve.config.disaggregation import SIDES, DisaggregationConfig, normalize_disaggregation
+from jaxserve.config.download_dir import local_model_path
 from jaxserve.config.speculative import SpeculativeConfig, normalize_speculative
 from jaxserve.config.vllm_args import accept_vllm_args
 from jaxserve.default_model import default_model_path
@@ -30,6 +31,9 @@ LOAD_FORMATS = ("auto", "hf", "gguf", "llama2c", "orbax", "dummy")
 class ModelConfig:
     model: str | None = None  # None: the small model that ships in the package
     tokenizer: str | None = None
+    # vLLM's: where a model named by its hub id is found (config/download_dir.py); nothing
+    # is fetched
+    download_dir: str | None = None
     load_format: str = "auto"  # one of LOAD_FORMATS
     # auto (float32 on CPU, bfloat16 elsewhere) | float32 | bfloat16 | float16 (GPU, or the
     # xla attention backend on CPU)
@@ -178,7 +182,11 @@ class EngineConfig:
             logger.info("seed=None: drew engine seed %d", seed)
         return EngineConfig(
             model=dataclasses.replace(
-                m, model=default_model_path() if m.model is None else m.model, seed=seed,
+                m, model=(default_model_path() if m.model is None
+                          else local_model_path("model", m.model, m.download_dir)),
+                tokenizer=(None if m.tokenizer is None
+                           else local_model_path("tokenizer", m.tokenizer, m.download_dir)),
+                seed=seed,
                 hf_overrides=_json_mapping("hf_overrides", m.hf_overrides)),
             cache=dataclasses.replace(self.cache),
             scheduler=dataclasses.replace(s, speculative_config=self._speculative_config()),

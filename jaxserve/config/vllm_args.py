@@ -16,7 +16,7 @@ NO_EFFECT = {
     "enforce_eager": "the step is always jit-compiled by XLA (there are no CUDA graphs)",
     "trust_remote_code": "no model code is loaded from checkpoints",
     "disable_log_stats": "jaxserve logs no periodic stats",
-    "disable_log_requests": "jaxserve does not log requests",
+    "disable_log_requests": "requests are logged only with the server's --enable-log-requests",
     "swap_space": "preempted requests are recomputed, never swapped to CPU",
     "compilation_config": "XLA compiles the step; there is no torch.compile",
     "max_seq_len_to_capture": "there are no CUDA graphs",

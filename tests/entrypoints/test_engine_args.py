@@ -133,3 +133,28 @@ def test_validate_leaves_the_config_as_it_was_and_normalized_parses_a_copy(
     else:
         assert isinstance(normal.scheduler.speculative_config, SpeculativeConfig)
     assert EngineConfig.from_kwargs(**normal.to_kwargs()) == normal
+
+
+def test_download_dir_finds_a_hub_id_in_a_local_hub_cache_and_fetches_nothing(hf_checkpoint,
+                                                                             tmp_path):
+    """vLLM's --download-dir: models--ORG--NAME/snapshots/REV (refs/main names REV)."""
+    import shutil
+
+    from jaxserve.config import EngineConfig
+
+    repo = tmp_path / "cache" / "models--tiny-org--tiny-llama"
+    shutil.copytree(hf_checkpoint("llama"), repo / "snapshots" / "abc123")
+    (repo / "snapshots" / "old999").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123\n")
+    cfg = EngineConfig.from_kwargs(model="tiny-org/tiny-llama",
+                                   download_dir=str(tmp_path / "cache"))
+    assert cfg.model.model == str(repo / "snapshots" / "abc123")
+    (repo / "refs" / "main").unlink()  # two revisions and no ref: which one is ambiguous
+    with pytest.raises(ValueError, match=r"model: .*holds 2 revisions and no refs/main"):
+        EngineConfig.from_kwargs(model="tiny-org/tiny-llama", download_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"model: 'other/model' is not a local path, nor in "
+                                         r"download_dir .*jaxserve fetches nothing"):
+        EngineConfig.from_kwargs(model="other/model", download_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"download_dir: .* is not a directory"):
+        EngineConfig.from_kwargs(model="other/model", download_dir=str(tmp_path / "none"))

@@ -22,6 +22,8 @@ HELP = {
     "model": "checkpoint: an HF directory, a .gguf file, a llama2.c .bin, or a directory "
              "written by `jaxserve convert`",
     "tokenizer": "an HF tokenizer directory to use instead of the checkpoint's own",
+    "download_dir": "a local directory a model named by its hub id (ORG/NAME) is found in, "
+                    "laid out as HF's hub cache or as DIR/ORG/NAME; nothing is fetched",
     "load_format": "how to read the weights: auto (from the path), hf, gguf, llama2c, orbax, "
                    "or dummy (random weights of the checkpoint's shapes)",
     "dtype": "weights and activations: auto (float32 on CPU, bfloat16 elsewhere), float32, "
