@@ -10,14 +10,20 @@ from engine_helpers import SMALL_ENGINE, assert_no_leaks, hf_greedy, random_prom
 from jaxserve import LLM, SamplingParams
 
 
+@pytest.fixture(scope="module")
+def llm(hf_checkpoint, compile_cache_dir) -> LLM:
+    """One engine for the module: async scheduling, so constrained requests must not run
+    ahead of their host history."""
+    return LLM(str(hf_checkpoint("llama")), compilation_cache_dir=compile_cache_dir,
+               async_scheduling=True, **SMALL_ENGINE)
+
+
 def contains(tokens: list[int], word: tuple[int, ...]) -> bool:
     return any(tuple(tokens[i:i + len(word)]) == word for i in range(len(tokens)))
 
 
-def test_bad_words_are_never_generated_and_tokens_equal_hf(hf_checkpoint, compile_cache_dir):
+def test_bad_words_are_never_generated_and_tokens_equal_hf(hf_checkpoint, llm):
     path = hf_checkpoint("llama")
-    llm = LLM(str(path), compilation_cache_dir=compile_cache_dir, async_scheduling=True,
-              **SMALL_ENGINE)
     tokenizer = llm.get_tokenizer()
     prompts = random_prompts(6, 5, 30, seed=41)
     free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -42,12 +48,10 @@ def test_bad_words_are_never_generated_and_tokens_equal_hf(hf_checkpoint, compil
     assert got == hf_greedy(path, prompts, 20, bad_words_ids=[list(w) for w in ids])
 
 
-def test_allowed_token_ids_are_the_only_tokens_sampled(hf_checkpoint, compile_cache_dir):
+def test_allowed_token_ids_are_the_only_tokens_sampled(hf_checkpoint, llm):
     """Beside unconstrained requests in the same steps (with a grammar, the mask is both's:
     tests/core/test_structured_output.py)."""
     path = hf_checkpoint("llama")
-    llm = LLM(str(path), compilation_cache_dir=compile_cache_dir, async_scheduling=True,
-              **SMALL_ENGINE)
     prompts = random_prompts(4, 5, 30, seed=42)
     allowed = list(range(40, 200, 3))
     masked = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
@@ -63,21 +67,16 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(hf_checkpoint, compile_ca
                                 prefix_allowed_tokens_fn=lambda batch, ids: allowed)
 
 
-def test_allowed_token_ids_outside_the_vocabulary_are_an_error_naming_the_field(
-        hf_checkpoint, compile_cache_dir):
-    llm = LLM(str(hf_checkpoint("llama")), compilation_cache_dir=compile_cache_dir,
-              **SMALL_ENGINE)
+def test_allowed_token_ids_outside_the_vocabulary_are_an_error_naming_the_field(llm):
     with pytest.raises(ValueError, match=r"allowed_token_ids: 320 is outside the vocabulary"):
         llm.generate([{"prompt_token_ids": [5, 6]}],
                      SamplingParams(max_tokens=2, allowed_token_ids=[5, 320]), use_tqdm=False)
     assert_no_leaks(llm.engine)
 
 
-def test_logit_bias_moves_the_greedy_tokens_as_hfs_sequence_bias(hf_checkpoint,
-                                                                 compile_cache_dir):
+def test_logit_bias_moves_the_greedy_tokens_as_hfs_sequence_bias(hf_checkpoint, llm):
     """Beside unbiased requests in the same steps; the logprobs stay the model's own."""
     path = hf_checkpoint("llama")
-    llm = LLM(str(path), compilation_cache_dir=compile_cache_dir, **SMALL_ENGINE)
     prompts = random_prompts(4, 5, 30, seed=43)
     free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     unbiased = llm.generate([{"prompt_token_ids": p} for p in prompts], free, use_tqdm=False)
