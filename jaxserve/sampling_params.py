@@ -154,6 +154,7 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None  # vLLM's, for custom sampling code: none reads it
     # vLLM's; only the values that ask for nothing (see _check_unsupported).
     spaces_between_special_tokens: bool = True
+    # Token constraints (vLLM's), checked by _check_token_constraints
     logit_bias: dict[int, float] | None = None  # added to those tokens' logits (not logprobs)
     allowed_token_ids: list[int] | None = None  # the only tokens sampled (masked on the device)
     # Words never generated: a word's last token is blocked where the output ends with the rest
@@ -168,6 +169,7 @@ class SamplingParams:
                      "detokenize", "spaces_between_special_tokens"):
             _check_bool(name, getattr(self, name))
         self._check_unsupported()
+        self._check_token_constraints()
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
@@ -226,6 +228,8 @@ class SamplingParams:
         if self.spaces_between_special_tokens is not True:
             raise ValueError("spaces_between_special_tokens=False is not supported (text is "
                              "decoded as the tokenizer's own decode does)")
+
+    def _check_token_constraints(self) -> None:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                     isinstance(t, int) and not isinstance(t, bool) and t >= 0
