@@ -22,6 +22,10 @@ _EXPORTS = {
     "TokensPrompt": "jaxserve.inputs",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
+    "PoolingParams": "jaxserve.pooling_params",
+    "PoolingRequestOutput": "jaxserve.outputs",
+    "EmbeddingRequestOutput": "jaxserve.outputs",
+    "ScoringRequestOutput": "jaxserve.outputs",
 }
 __all__ = list(_EXPORTS)
 

@@ -79,3 +79,57 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
         else total.prompt_logprobs
     return replace(delta, outputs=[samples[i] for i in sorted(samples)],
                    prompt_logprobs=prompt_logprobs)
+
+
+@dataclass
+class PoolingOutput:
+    data: Any  # np.ndarray: f32[D], the pooled hidden state as its params shape it
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's output of a pooling request (`LLM.encode`)."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # its step failed: no data
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's output of `LLM.embed`."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @staticmethod
+    def from_base(out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
+                                      out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's output of `LLM.score`: one text pair's cosine similarity of embeddings."""
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the pair's two prompts, concatenated (vLLM's)
+    finished: bool

@@ -143,8 +143,10 @@ class SamplingParams:
     stop: str | list[str] | None = None  # stored as list[str]
     stop_token_ids: list[int] | None = None  # stored as list[int]
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-n logprobs of each sampled position
-    prompt_logprobs: int | None = None  # top-n logprobs of each prompt position (and its own)
+    # Top-n logprobs of each sampled position / prompt position (and its own token's); -1
+    # (vLLM's): the whole vocabulary, if the engine's max_logprobs allows it.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # how AsyncLLM streams
@@ -206,14 +208,14 @@ class SamplingParams:
 
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
-        _check_int("logprobs", self.logprobs, allow_none=True)
+        _check_int("logprobs", self.logprobs, allow_none=True, low=-1)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
-        _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True, low=-1)
         _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allow_none=True,
                    low=-1)
         if self.truncate_prompt_tokens == 0:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import jax
 import numpy as np
 import pytest
 
@@ -12,6 +16,25 @@ SMALL_ENGINE = dict(max_model_len=128, num_kv_blocks=160, block_size=16, max_num
 # For the costliest engines (interpreted TPU kernels, speculation's two programs a bucket, draft
 # models): two token buckets and one request bucket.
 FEW_BUCKETS = dict(token_buckets=[32, 128], request_buckets=[16])
+
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def backend_compiles() -> Iterator[list[str]]:
+    """Every XLA backend compilation in the process while the block runs."""
+    events: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: object) -> None:
+        if event == COMPILE_EVENT:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def random_prompts(n: int, low: int, high: int, seed: int, vocab: int = 320) -> list[list[int]]:

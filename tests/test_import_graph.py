@@ -18,7 +18,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "jaxserve": ("jaxserve.entrypoints",),  # the package's lazy exports
     "jaxserve.entrypoints": ("jaxserve.engine", "jaxserve.compilation"),
     "jaxserve.engine": ("jaxserve.runtime", "jaxserve.core", "jaxserve.inputs",
-                        "jaxserve.outputs"),
+                        "jaxserve.outputs", "jaxserve.pooling_params"),
     "jaxserve.compilation": ("jaxserve.runtime",),  # AOT builds through a worker
     "jaxserve.runtime": ("jaxserve.programs", "jaxserve.core"),
     "jaxserve.programs": ("jaxserve.placement", "jaxserve.core"),
@@ -31,6 +31,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "jaxserve.config": ("jaxserve.default_model",),
     "jaxserve.default_model": (),
     "jaxserve.sampling_params": (),
+    "jaxserve.pooling_params": ("jaxserve.sampling_params",),
     "jaxserve.inputs": (),
     "jaxserve.outputs": (),
 }

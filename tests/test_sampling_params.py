@@ -83,7 +83,8 @@ def test_boundary_values_are_accepted(kwargs: dict) -> None:
     ({"stop": ["ok", 3]}, "stop", "3"),
     ({"stop_token_ids": [-1]}, "stop_token_ids", "-1"),
     ({"stop_token_ids": 5}, "stop_token_ids", "5"),
-    ({"logprobs": -1}, "logprobs", "-1"),
+    ({"logprobs": -2}, "logprobs", "-2"),  # -1: the whole vocabulary
+    ({"prompt_logprobs": -2}, "prompt_logprobs", "-2"),
     # Values the device holds as int32 / float32 (issue 21: top_k 2**31 crashed the step).
     ({"top_k": 2**31}, "top_k", "2147483648"),
     ({"max_tokens": 2**31}, "max_tokens", "2147483648"),

@@ -63,7 +63,7 @@ def build_for_target(target: Target, cfg: LlamaConfig, config: EngineConfig,
                      out: str | Path) -> tuple[Path, int]:
     """Compile deviceless for the target; weights are abstract, so a model config suffices."""
     program, _, plan = prepare(target, cfg, config)
-    programs, left = compile_all(program, planned_programs(config, cfg, plan))
+    programs, left = compile_all(program, planned_programs(cfg, plan))
     caches = [program.kv, program.kv, *program.drafter_cache]
     programs[compiled_dir.KV_INIT] = jax.jit(
         lambda: tuple(jnp.zeros(kv.shape, kv.dtype) for kv in caches),

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 # Where a checkpoint's weights come from (models/loader.py dispatches on it).
 LOAD_FORMATS = ("auto", "hf", "gguf", "llama2c", "orbax", "dummy")
+RUNNERS = ("auto", "generate", "pooling")
 
 
 @dataclass
@@ -47,8 +48,20 @@ class ModelConfig:
     # general.sampling.*) for requests that do not set them; "vllm" takes none.
     generation_config: str = "auto"
     # Limits on one request (a larger value is a 400 at the server).
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # -1 (vLLM's): no cap, a request may ask for the whole vocabulary
     max_n: int = 64  # samples per request: each costs a sequence's compute and KV blocks
+    # vLLM's: "pooling" runs the decoder checkpoint as an embedding model (LLM.embed,
+    # /v1/embeddings: its last token's final hidden state); "auto" and "generate" generate text
+    runner: str = "auto"
+    convert: str = "auto"  # vLLM's: how a pooling runner converts the model: "auto" or "embed"
+
+    @property
+    def pooling(self) -> bool:
+        return self.runner == "pooling"
+
+    def logprobs_cap(self, vocab_size: int) -> int:
+        """The most logprobs a request may ask for: max_logprobs, -1 being the vocabulary."""
+        return vocab_size if self.max_logprobs == -1 else self.max_logprobs
 
 
 @dataclass
@@ -245,7 +258,15 @@ class EngineConfig:
                              f"{m.load_format!r}")
         if m.max_model_len is not None:
             _positive(m, "max_model_len")
-        _non_negative(m, "max_logprobs")
+        if m.max_logprobs != -1:
+            _non_negative(m, "max_logprobs")
+        if m.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {m.runner!r}")
+        if m.convert not in ("auto", "embed") or (m.convert == "embed" and not m.pooling):
+            raise ValueError(f"convert: only 'auto', or 'embed' with runner='pooling', is "
+                             f"supported (an embedding model), got {m.convert!r}")
+        if m.pooling:
+            _check_pooling(self)
         _positive(m, "max_n")
         if p.devices is not None and (
                 not isinstance(p.devices, list) or not p.devices
@@ -267,6 +288,16 @@ class EngineConfig:
                     not isinstance(b, int) or b <= 0 for b in buckets)):
                 raise ValueError(f"{name} must be a non-empty list of positive integers, "
                                  f"got {buckets!r}")
+
+
+def _check_pooling(config: EngineConfig) -> None:
+    """What a pooling engine does not do (its requests prefill once and end): named."""
+    for name, value, default in (
+            ("speculative_config", config.scheduler.speculative_config, None),
+            ("disaggregation", config.parallel.disaggregation, None),
+            ("compiled_dir", config.runner.compiled_dir, None)):
+        if value != default:
+            raise ValueError(f"{name}: not supported with runner='pooling'")
 
 
 def side_config(config: EngineConfig, settings: DisaggregationConfig,

@@ -28,7 +28,10 @@ NO_EFFECT = {
 ONLY_DEFAULT: dict[str, Any] = {
     "revision": None, "code_revision": None, "tokenizer_revision": None, "quantization": None,
     "kv_cache_dtype": "auto", "pipeline_parallel_size": 1, "cpu_offload_gb": 0,
+    "pooler_config": None, "override_pooler_config": None,
 }
+# vLLM's older `task` argument, as the runner it names.
+TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling"}
 _logged: set[str] = set()
 
 
@@ -44,6 +47,11 @@ def accept_vllm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
             if value != ONLY_DEFAULT[name]:
                 raise ValueError(f"{name}={value!r} is not supported by jaxserve (only "
                                  f"{ONLY_DEFAULT[name]!r})")
+        elif name == "task":
+            if value not in TASK_RUNNERS:
+                raise ValueError(f"task={value!r} is not supported by jaxserve (one of "
+                                 f"{tuple(TASK_RUNNERS)})")
+            out.setdefault("runner", TASK_RUNNERS[value])
         elif name == "dtype" and value in ("float", "half"):
             out[name] = {"float": "float32", "half": "float16"}[value]
         elif name != "data_parallel_size":

@@ -89,6 +89,9 @@ class ModelRunnerOutput:
     logprobs: list[list[Logprobs] | None] | None = None  # one per token, where asked
     # Requests whose prompt this step finished, when they asked for prompt logprobs.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # A pooling engine's requests that this step took to their last token: its final hidden
+    # state (np.ndarray f32[D]).
+    pooled: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -125,6 +128,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None  # with the first output token, when asked
+    pooled: Any = None  # a pooling request's last hidden state (np.ndarray f32[D])
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import dataclasses
 import itertools
 import queue
 import threading
@@ -23,7 +25,9 @@ from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.input_processor import PromptType, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.models.tokenizer import Tokenizer
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, accumulate
+from jaxserve.outputs import (CompletionOutput, PoolingRequestOutput, RequestMetrics,
+                              RequestOutput, accumulate)
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
@@ -59,7 +63,7 @@ class AsyncLLMStats:
 class _Add:
     request_id: str
     prompt: PromptType
-    params: SamplingParams | None
+    params: SamplingParams | PoolingParams | None
     arrival_time: float
     priority: int
     cache_salt: str | None
@@ -146,6 +150,41 @@ class AsyncLLM:
         tokens all came at `last_token_time`); the final output has the full metrics.
         """
         refuse_lora(lora_request)
+        if self.engine.pooling:
+            raise ValueError("generate needs a generative model: this engine was started with "
+                             "runner='pooling' (use encode)")
+        if sampling_params is not None:  # a request that can never run is not "busy": 400
+            self.engine.input_processor.check_params(sampling_params)
+        kind = RequestOutputKind.CUMULATIVE if sampling_params is None \
+            else sampling_params.output_kind
+        async with contextlib.aclosing(self._stream(
+                prompt, sampling_params, request_id, kind, arrival_time, priority,
+                cache_salt)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, *, arrival_time: float | None = None,
+                     priority: int = 0, lora_request: object | None = None,
+                     ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling engine's (runner="pooling") request: its one output, finished. Bad input
+        raises ValueError before it."""
+        refuse_lora(lora_request)
+        if not self.engine.pooling:
+            raise ValueError("encode needs a pooling model: start the engine with "
+                             "runner='pooling'")
+        params = dataclasses.replace(pooling_params or PoolingParams())
+        params.verify(params.task or "embed")
+        async with contextlib.aclosing(self._stream(
+                prompt, params, request_id, RequestOutputKind.FINAL_ONLY, arrival_time,
+                priority, None)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def _stream(self, prompt: PromptType, params: SamplingParams | PoolingParams | None,
+                      request_id: str | None, kind: RequestOutputKind,
+                      arrival_time: float | None, priority: int, cache_salt: str | None,
+                      ) -> AsyncIterator[Any]:
         if self._error is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self._error!r}")
         if request_id is None:
@@ -154,9 +193,7 @@ class AsyncLLM:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if sampling_params is not None:  # a request that can never run is not "busy": 400
-            self.engine.input_processor.check_params(sampling_params)
-        samples = sampling_params.n if sampling_params is not None else 1
+        samples = params.n if isinstance(params, SamplingParams) else 1
         if self.num_queued + samples > self.max_queued_requests:
             raise EngineQueueFullError(f"{self.num_queued} samples are already waiting "
                                        f"(max_queued_requests={self.max_queued_requests})")
@@ -165,14 +202,12 @@ class AsyncLLM:
         self._num_samples += samples
         added = concurrent.futures.Future()
         try:
-            self._submit(_Add(request_id, prompt, sampling_params,
+            self._submit(_Add(request_id, prompt, params,
                               time.time() if arrival_time is None else arrival_time,
                               priority, cache_salt, added))
         except EngineDeadError:
             self._drop_stream(request_id, stream)
             raise
-        kind = RequestOutputKind.CUMULATIVE if sampling_params is None \
-            else sampling_params.output_kind
         finished = rejected = False
         total: RequestOutput | None = None
         try:
@@ -186,7 +221,7 @@ class AsyncLLM:
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
-                if kind != RequestOutputKind.DELTA:
+                if kind != RequestOutputKind.DELTA and isinstance(out, RequestOutput):
                     out = total = accumulate(total, out)
                 if finished or kind != RequestOutputKind.FINAL_ONLY:
                     yield out
@@ -253,6 +288,16 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing reset) while a request holds blocks."""
         return await asyncio.wrap_future(self.call_in_engine(LLMEngine.reset_prefix_cache))
+
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (`LLM.sleep`), with no request unfinished."""
+        await asyncio.wrap_future(self.call_in_engine(lambda engine: engine.sleep(level)))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await asyncio.wrap_future(self.call_in_engine(lambda engine: engine.wake_up(tags)))
+
+    async def is_sleeping(self) -> bool:
+        return await asyncio.wrap_future(self.call_in_engine(LLMEngine.is_sleeping))
 
     def stats(self) -> AsyncLLMStats:
         return AsyncLLMStats(self._engine_stats, len(self._streams), self.num_queued,
@@ -334,6 +379,9 @@ class AsyncLLM:
                 deliveries.append((out.request_id, EngineStepError(out.error)))
                 continue
             deliveries.append(out)
+            if isinstance(out, PoolingRequestOutput):  # a pooling request's one output
+                self._num_prompt_tokens += len(out.prompt_token_ids)
+                continue
             num_new = sum(len(c.token_ids) for c in out.outputs)
             if num_new:
                 if out.request_id in self._started:

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import KVTransfer, Request, RequestStatus
@@ -44,7 +45,8 @@ from jaxserve.engine.kv_connector import KVConnector
 from jaxserve.engine.spec_switch import SpeculationSwitch
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.runtime.executor import Executor, PendingStep, UnexpectedCompilationError
+from jaxserve.runtime.executor import (SLEEP_TAGS, Executor, PendingStep,
+                                       UnexpectedCompilationError)
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +211,7 @@ class EngineCore:
         with self.timings.phase("update"):
             for scheduler, sched, result in zip(self.schedulers, in_flight.scheds, results):
                 for out in scheduler.update_from_output(sched, result):
+                    out.pooled = result.pooled.get(out.request_id)
                     if out.finish_reason is not None:
                         self._forget(out.request_id)
                     outputs.append(out)
@@ -268,8 +271,60 @@ class EngineCore:
         return any(r.num_output_placeholders and r.sampling_params.needs_host_history
                    for s in self.schedulers for r in s.running)
 
+    # ---- sleep mode and weight updates (vLLM's) ------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Free the device: the KV cache (and with it the prefix cache) and the weights (level
+        1: kept on the host; 2: dropped, read again from the checkpoint at wake-up). As vLLM's:
+        no request may be unfinished, and a second sleep does nothing."""
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        self._check_idle("sleep")
+        if self.executor.asleep:
+            logger.warning("sleep: the engine is asleep already")
+            return
+        self.executor.sleep(level)
+        self.reset_prefix_cache()  # idle: nothing holds a block, so it forgets every one
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Put back what `tags` names (of SLEEP_TAGS; None: all) as before the sleep; the
+        programs compiled for it run on as they were."""
+        wanted = SLEEP_TAGS if tags is None else tags
+        if isinstance(tags, str) or not set(wanted) <= set(SLEEP_TAGS):
+            raise ValueError(f"tags must be a list of {list(SLEEP_TAGS)} or None, got {tags!r}")
+        self.executor.wake_up(frozenset(wanted))
+
+    def is_sleeping(self) -> bool:
+        """Whether a part is asleep (until wake_up has woken every part)."""
+        return bool(self.executor.asleep)
+
+    def update_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """Write HF-named weights (as a checkpoint names them) over the model's, all checked
+        before any is written; the cached prefixes, computed by the old weights, are forgotten."""
+        self._check_idle("update_weights")
+        if "weights" in self.executor.asleep:
+            raise ValueError("update_weights: the weights are asleep; call "
+                             "wake_up(tags=['weights']) first")
+        self.executor.update_weights(weights.items() if isinstance(weights, Mapping)
+                                     else weights)
+        self.reset_prefix_cache()  # idle: nothing holds a block, so it forgets every one
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing reset) while a request holds blocks."""
+        return all([s.kv.reset_prefix_cache() for s in self.schedulers])
+
+    def _check_idle(self, verb: str) -> None:
+        """No request may be unfinished, and the engine must be whole: a disaggregated prefill
+        side holds blocks after its requests end, and computes KV with weights of its own."""
+        if self.config.parallel.disaggregation is not None:
+            raise ValueError(f"{verb} is not supported with disaggregated prefill/decode")
+        num_requests = sum(len(s.requests) for s in self.schedulers)
+        if num_requests:
+            raise ValueError(f"{verb}: {num_requests} requests are unfinished; let them finish "
+                             "or abort them first")
+
     def stats(self) -> EngineStats:
         per_rank = [s.stats() for s in self.schedulers]
+        held = self.executor.held_bytes()
         return EngineStats(
             num_running=sum(s.num_running for s in per_rank),
             num_waiting=sum(s.num_waiting for s in per_rank),
@@ -284,6 +339,9 @@ class EngineCore:
             step_seconds=self.timings.merged(
                 *(w.runner.timings for w in self.executor.workers),
                 *(s.timings for s in self.schedulers)).seconds,
+            weight_bytes=held["weights"],
+            kv_cache_bytes=held["kv_cache"],
+            sleep_level=self.executor.sleep_level,
             kv_transfer=None if self.connector is None else self.connector.stats(),
             spec_decoding=_sum_spec_stats([s.spec_decoding for s in per_rank]))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -47,22 +48,28 @@ class InputProcessor:
         `prompt_logprobs`: None where they are served, else why not. `default_params`: a
         request's without its own (the checkpoint's sampling defaults)."""
         self.default_params = default_params or SamplingParams()
-        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.root_hash = root_hash
-        self.max_logprobs = limits.max_logprobs
+        self.max_logprobs = limits.logprobs_cap(vocab_size)
         self.max_n = limits.max_n
         self.rng = np.random.default_rng(limits.seed)
         self.eos_token_ids = tuple(eos_token_ids)
         self.supports_structured_outputs = structured_outputs
         self.no_prompt_logprobs = prompt_logprobs
-        self._structured: StructuredOutputManager | None = None
         self._structured_lock = threading.Lock()
+        self.set_tokenizer(tokenizer)
+
+    def set_tokenizer(self, tokenizer: Tokenizer | None) -> None:
+        """Tokenise the requests that follow with `tokenizer` (its grammars too)."""
+        self.tokenizer = tokenizer
         per_token = None if tokenizer is None else tokenizer.max_token_chars()
         # A longer text has more than max_model_len tokens whatever it says.
-        self.max_prompt_chars = None if per_token is None else max_model_len * max(per_token, 1)
+        self.max_prompt_chars = None if per_token is None \
+            else self.max_model_len * max(per_token, 1)
+        with self._structured_lock:
+            self._structured: StructuredOutputManager | None = None
 
     def check_prompt_chars(self, text: str, what: str = "prompt") -> None:
         """Refuse a text too long for the context before tokenising it (that costs time and
@@ -123,17 +130,19 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
         if params.n > self.max_n:
             raise ValueError(f"n must be <= max_n ({self.max_n}), got {params.n}")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(f"logprobs must be <= max_logprobs ({self.max_logprobs}), "
-                             f"got {params.logprobs}")
         if params.prompt_logprobs is not None and self.no_prompt_logprobs is not None:
             raise ValueError(f"prompt_logprobs is not supported {self.no_prompt_logprobs}")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
-            raise ValueError(f"prompt_logprobs must be <= max_logprobs ({self.max_logprobs}), "
-                             f"got {params.prompt_logprobs}")
-        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary "
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and self._num_logprobs(asked) > self.max_logprobs:
+                whole = f" (the whole vocabulary, {self.vocab_size})" if asked == -1 else ""
+                raise ValueError(f"{name} must be <= max_logprobs ({self.max_logprobs}), got "
+                                 f"{asked}{whole}")
+        # max() in C: AsyncLLM.generate calls this on the event loop, and a request may carry
+        # millions of stop ids.
+        if max(params.stop_token_ids, default=0) >= self.vocab_size:
+            bad = next(t for t in params.stop_token_ids if t >= self.vocab_size)
+            raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
         if params.structured_outputs is not None:
             self.structured_outputs().validate(params.structured_outputs)
@@ -145,6 +154,10 @@ class InputProcessor:
             if outside:
                 raise ValueError(f"{name}: {outside[0]} is outside the vocabulary "
                                  f"[0, {self.vocab_size})")
+
+    def _num_logprobs(self, asked: int | None) -> int | None:
+        """A request's logprobs or prompt_logprobs, -1 (the whole vocabulary) resolved."""
+        return self.vocab_size if asked == -1 else asked
 
     def structured_outputs(self) -> StructuredOutputManager:
         """The grammar manager, made on first use (any thread)."""
@@ -171,6 +184,10 @@ class InputProcessor:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        if -1 in (params.logprobs, params.prompt_logprobs):
+            params = dataclasses.replace(params, logprobs=self._num_logprobs(params.logprobs),
+                                         prompt_logprobs=self._num_logprobs(
+                                             params.prompt_logprobs))
         if params.bad_words:
             if self.tokenizer is None:
                 raise ValueError("bad_words: this model has no tokenizer")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jaxserve.config import EngineConfig, ModelConfig
@@ -15,8 +16,9 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.loaded_model import LoadedModel
 from jaxserve.models.loader import load_tokenizer
-from jaxserve.models.tokenizer import Tokenizer
-from jaxserve.outputs import RequestOutput
+from jaxserve.models.tokenizer import Tokenizer, as_tokenizer
+from jaxserve.outputs import PoolingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams, sampling_defaults
 
 logger = logging.getLogger(__name__)
@@ -25,6 +27,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
+        self.pooling = config.model.pooling  # its requests embed their prompts (runner="pooling")
         self.core = make_engine_core(config, loaded)
         context = self.core.model_config.max_position_embeddings
         if self.core.max_model_len > context:
@@ -50,11 +53,19 @@ class LLMEngine:
         return cls(EngineArgs.of(engine_args, kwargs).create_engine_config())
 
     def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0, cache_salt: str | None = None,
-                    lora_request: object | None = None) -> None:
+                    params: SamplingParams | PoolingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None, lora_request: object | None = None) -> None:
+        """`params`: SamplingParams, or with a pooling engine (runner="pooling") PoolingParams."""
+        if self.core.is_sleeping():
+            raise ValueError("the engine is asleep: call wake_up() before adding requests")
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        pooling = self._pooling_params(params)
+        if pooling is not None:  # a pooling request prefills its prompt and ends
+            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                    truncate_prompt_tokens=pooling.truncate_prompt_tokens,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
         text, requests = self.input_processor.process(request_id, prompt, params, arrival_time,
                                                       priority, cache_salt, lora_request)
         for child in (r.request_id for r in requests):
@@ -65,9 +76,25 @@ class LLMEngine:
         first = requests[0]
         self.output_processor.add_request(request_id, text, first.prompt_token_ids,
                                           first.sampling_params, first.arrival_time,
-                                          [r.request_id for r in requests])
+                                          [r.request_id for r in requests], pooling)
         for request in requests:
             self.core.add_request(request)
+
+    def _pooling_params(self, params: SamplingParams | PoolingParams | None,
+                        ) -> PoolingParams | None:
+        """A pooling engine's request's params, verified; None for a generating engine's."""
+        if not self.pooling:
+            if isinstance(params, PoolingParams):
+                raise ValueError("params: PoolingParams need an engine started with "
+                                 "runner='pooling'")
+            return None
+        if params is None:
+            params = PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"params: a pooling engine (runner='pooling') takes PoolingParams, "
+                             f"got {type(params).__name__}; it generates no text")
+        params.verify(params.task or "embed")
+        return params
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
@@ -87,11 +114,19 @@ class LLMEngine:
                              "tokenizer=")
         return self.tokenizer
 
+    def set_tokenizer(self, tokenizer: object) -> None:
+        """vLLM's: the requests that follow are tokenised and their outputs detokenised with
+        `tokenizer` (ours, or an HF fast tokenizer, wrapped as a checkpoint's is)."""
+        self.tokenizer = as_tokenizer(tokenizer)
+        self.input_processor.set_tokenizer(self.tokenizer)
+        self.output_processor.tokenizer = self.tokenizer
+
     def get_model_config(self) -> ModelConfig:
         """The model's settings, max_model_len resolved (vLLM's ModelConfig has it so)."""
         return dataclasses.replace(self.config.model, max_model_len=self.core.max_model_len)
 
-    def step(self, output_kind: RequestOutputKind | None = None) -> list[RequestOutput]:
+    def step(self, output_kind: RequestOutputKind | None = None,
+             ) -> list[RequestOutput | PoolingRequestOutput]:
         """One engine step: each request's output as its `SamplingParams.output_kind` asks
         (as vLLM's), or all of `output_kind`."""
         core_outputs = self.core.step()
@@ -106,7 +141,19 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing reset) while a request holds blocks."""
-        return all([s.kv.reset_prefix_cache() for s in self.core.schedulers])
+        return self.core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        self.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
+
+    def update_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        self.core.update_weights(weights)
 
 
 def _no_prompt_logprobs(config: EngineConfig) -> str | None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.core.scheduler_output import EngineCoreOutput
 from jaxserve.engine.logprobs import prompt_logprobs_of, sample_logprobs
 from jaxserve.models.tokenizer import IncrementalDetokenizer, Tokenizer
-from jaxserve.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
+from jaxserve.outputs import (CompletionOutput, PoolingOutput, PoolingRequestOutput,
+                              PromptLogprobs, RequestMetrics, RequestOutput)
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -34,6 +37,8 @@ class RequestState:
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     sent_prompt_logprobs: bool = False  # delta outputs carry them once
+    pooling: PoolingParams | None = None  # a pooling request: its output is its embedding
+    pooled: Any = None  # np.ndarray f32[D]: its last token's hidden state, once computed
 
     @property
     def finished(self) -> bool:
@@ -47,7 +52,8 @@ class OutputProcessor:
         self.parent_of: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float, child_ids: list[str]) -> None:
+                    params: SamplingParams, arrival_time: float, child_ids: list[str],
+                    pooling: PoolingParams | None = None) -> None:
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         samples = [_Sample(CompletionOutput(i, "", [], 0.0 if params.logprobs is not None else None,
@@ -56,7 +62,7 @@ class OutputProcessor:
                    for i in range(len(child_ids))]
         self.states[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time), samples,
-            child_index={c: i for i, c in enumerate(child_ids)})
+            child_index={c: i for i, c in enumerate(child_ids)}, pooling=pooling)
         self.parent_of.update((c, request_id) for c in child_ids)
 
     def _detokenizer(self, prompt_token_ids: list[int],
@@ -72,7 +78,7 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: list[EngineCoreOutput],
                         output_kind: RequestOutputKind | None = None,
-                        ) -> tuple[list[RequestOutput], list[str]]:
+                        ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
         """Returns the updated requests' outputs, of `output_kind` (None: each request's own),
         and the child ids that a stop string ended (the caller must stop them in the
         scheduler). FINAL_ONLY requests have an output only once they are finished."""
@@ -93,6 +99,8 @@ class OutputProcessor:
                 state.prompt_logprobs = prompt_logprobs_of(
                     out.prompt_logprobs, state.prompt_token_ids, state.params.prompt_logprobs,
                     self.tokenizer)
+            if out.pooled is not None:
+                state.pooled = out.pooled
             metrics = state.metrics
             if out.new_token_ids and metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -161,7 +169,14 @@ class OutputProcessor:
             self.parent_of.pop(child, None)
         return list(state.child_index)
 
-    def _make_output(self, state: RequestState, delta: bool) -> RequestOutput:
+    def _make_output(self, state: RequestState, delta: bool,
+                     ) -> RequestOutput | PoolingRequestOutput:
+        if state.pooling is not None:
+            return PoolingRequestOutput(
+                state.request_id,
+                PoolingOutput(None if state.pooled is None else state.pooling.pool(state.pooled)),
+                state.prompt_token_ids, state.finished, state.prompt, state.num_cached_tokens,
+                state.error)
         completions = []
         holdback = max((len(stop) for stop in state.params.stop), default=1) - 1
         for sample in state.samples:

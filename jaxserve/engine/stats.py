@@ -22,6 +22,11 @@ class EngineStats:
     warm_up_seconds: float
     # Wall seconds per step phase since start, summed over ranks (see core/step_timing.py).
     step_seconds: dict[str, float]
+    # Device bytes held now, summed over ranks (a replicated array once per device): 0 for a
+    # part put to sleep
+    weight_bytes: int
+    kv_cache_bytes: int
+    sleep_level: int  # 0: awake; else sleep()'s level, until wake_up has woken every part
     kv_transfer: KVTransferStats | None = None  # disaggregated decode: prefill side, KV moved
     spec_decoding: SpecDecodingStats | None = None  # summed over ranks, with speculation on
 

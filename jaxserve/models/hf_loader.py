@@ -1,8 +1,10 @@
-"""HF checkpoint directories: config.json, one or sharded *.safetensors, tokenizer files."""
+"""HF checkpoint directories: config.json, one or sharded *.safetensors, tokenizer files; and
+HF-named tensors given in memory (a weight update)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +15,12 @@ from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loaded_model import LoadedModel, read_json
 from jaxserve.models.registry import check_params, config_from_hf, family_of
 from jaxserve.models.tokenizer import load_hf_tokenizer
+from jaxserve.models.weight_names import TensorPart
 
 INDEX_FILE = "model.safetensors.index.json"
+# Parts of params, by param: (the index of a part, e.g. its layer; its value in our layout)
+ParamParts = dict[str, list[tuple[tuple[int, ...], np.ndarray]]]
+
 
 def read_generation_config(directory: Path) -> dict[str, Any]:
     gen_file = directory / "generation_config.json"
@@ -99,26 +105,46 @@ def load_hf_params(directory: Path, config: LlamaConfig) -> dict[str, np.ndarray
     family = family_of(config)
     names = family.hf_names
     files = _weight_files(directory)
-    params: dict[str, np.ndarray] = {}
+    shapes = family.param_shapes(config)
+    params = {name: np.empty(shape, np.float32) for name, shape in shapes.items()}
     with contextlib.ExitStack() as stack:
         reader = _TensorReader(files, stack)
-        shapes = family.param_shapes(config)
-        for name, shape in shapes.items():
-            transpose = name in names.transposed
-            fused = names.fused_rows(name, shapes)  # its rows of a tensor it shares
-            rows, stored = fused if fused else (None, names.stored_shape(name, shape))
-            out = np.empty(shape, np.float32)
-            for index, tensor in names.names(name, shape):  # per layer (and expert), or one
-                w = reader.get(tensor, stored, rows)
-                out[index] = w.T if transpose else w
-            params[name] = out
+        for part in names.parts(shapes):
+            params[part.param][part.index] = part.ours(reader.get(part.name, part.stored,
+                                                                  part.rows))
     unused = sorted(n for n in set(files) - reader.used
-                    if not n.endswith(names.ignored_suffixes)
-                    and not (n == names.name("lm_head") and config.tie_word_embeddings))
+                    if not names.unread(n, config.tie_word_embeddings))
     if unused:
         raise ValueError(f"{directory}: unexpected tensors for {config.architecture}: "
                          f"{unused[:5]}{' ...' if len(unused) > 5 else ''}")
     return params
+
+
+def hf_param_parts(config: LlamaConfig, tensors: Iterable[tuple[str, Any]]) -> ParamParts:
+    """HF-named tensors (numpy or jax arrays) as the parts of our params they hold, every one
+    checked first: a name the model has no weight of, or a shape that is not the checkpoint's,
+    is a ValueError naming the tensor. A tensor given twice: its last value."""
+    family = family_of(config)
+    names = family.hf_names
+    by_name: dict[str, list[TensorPart]] = {}
+    for part in names.parts(family.param_shapes(config)):
+        by_name.setdefault(part.name, []).append(part)  # a fused tensor: each param's part
+    parts: ParamParts = {}
+    for name, tensor in tensors:
+        known = by_name.get(name)
+        if known is None:
+            if names.unread(name, config.tie_word_embeddings):
+                continue
+            raise ValueError(f"weights: {name!r} is not a weight of this "
+                             f"{config.architecture}")
+        w = np.asarray(tensor)
+        if w.shape != known[0].stored:
+            raise ValueError(f"weights: {name!r} has shape {w.shape}, expected "
+                             f"{known[0].stored}")
+        for part in known:
+            parts.setdefault(part.param, []).append(
+                (part.index, part.ours(w if part.rows is None else w[part.rows])))
+    return parts
 
 
 def load_hf(directory: str | Path) -> LoadedModel:

@@ -16,6 +16,7 @@ reads/writes the paged cache through an attention backend. With `rotary_lookup` 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -78,6 +79,21 @@ class Llama(nnx.Module):
             self.layers = nnx.List([
                 nnx.Dict({name: param(params[name][i]) for name in names})
                 for i in range(cfg.num_layers)])
+
+    def held_parts(self, param: str, index: tuple[int, ...], value: Any,
+                   ) -> Iterator[tuple[tuple[str | int, ...], tuple[int, ...], Any]]:
+        """Where this model holds `param[index] = value` (a part of a param as `params` has it,
+        its layers stacked): for each array it falls in, that array's path in the model's
+        state dict (`nnx.to_pure_dict`), the index into the array and the value there."""
+        if param not in LAYER_PARAMS:
+            yield (param,), index, value
+        elif self.scan_layers:
+            yield ("layers", param), index, value
+        elif index:
+            yield ("layers", index[0], param), index[1:], value
+        else:
+            for layer, part in enumerate(value):
+                yield ("layers", layer, param), (), part
 
     def __call__(
         self,

@@ -13,6 +13,22 @@ import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
+class TensorPart:
+    """What one checkpoint tensor holds of a param: `param[index]`, which is the whole tensor
+    or, in a tensor fused with other params, its `rows`."""
+    param: str
+    index: tuple[int, ...]  # layer (and expert) of a per-layer param; () for a whole param
+    name: str
+    stored: tuple[int, ...]  # the whole tensor's shape, as stored
+    rows: slice | None
+    transposed: bool  # stored `[out, in]`
+
+    def ours(self, w: np.ndarray) -> np.ndarray:
+        """`param[index]` in our layout from the tensor as stored (its `rows`, when fused)."""
+        return w.T if self.transposed else w
+
+
+@dataclass(frozen=True, slots=True)
 class WeightNames:
     tensors: dict[str, str]  # param -> tensor name, "{layer}" in per-layer ones
     transposed: frozenset[str]  # params stored `[out, in]`: ours is the transpose
@@ -68,6 +84,19 @@ class WeightNames:
         i = params.index(param)
         start = sum(part[0] for part in parts[:i])
         return slice(start, start + parts[i][0]), (sum(part[0] for part in parts), *parts[i][1:])
+
+    def parts(self, shapes: dict[str, tuple[int, ...]]) -> Iterator[TensorPart]:
+        """Every tensor's part of every param of `shapes` (ours), param by param."""
+        for param, shape in shapes.items():
+            fused = self.fused_rows(param, shapes)
+            rows, stored = fused if fused else (None, self.stored_shape(param, shape))
+            for index, name in self.names(param, shape):
+                yield TensorPart(param, index, name, stored, rows, param in self.transposed)
+
+    def unread(self, name: str, tied: bool) -> bool:
+        """Whether tensor `name`, which no param reads, may be in a checkpoint: a table we
+        recompute, or the LM head of a model whose embedding is `tied` to it."""
+        return name.endswith(self.ignored_suffixes) or (tied and name == self.name("lm_head"))
 
     def checkpoint_tensors(self, params: dict[str, np.ndarray],
                            ) -> Iterator[tuple[str, np.ndarray]]:

@@ -112,14 +112,22 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(None, AXIS))  # [L, Hkv, NB, BS, D]: by KV head
 
 
+def placed_layout(cfg: LlamaConfig, params: dict[str, np.ndarray], tp: int,
+                  ) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """The config and host params as TP places them: KV heads expanded, the vocabulary padded.
+    A per-layer param may be given as one layer's (or expert's) part: both change only the
+    last axis of a layer param."""
+    cfg, params = expand_kv_heads(cfg, params, tp)
+    return cfg, pad_vocab(params, cfg.vocab_size, tp)
+
+
 def shard_params(cfg: LlamaConfig, params: dict[str, np.ndarray], mesh: Mesh, dtype: Any,
                  ) -> tuple[LlamaConfig, dict[str, jax.Array]]:
-    """Host weights placed on the mesh by these rules (KV heads expanded and the vocabulary
-    padded for TP): the config as placed and the device arrays."""
+    """Host weights placed on the mesh by these rules (`placed_layout`): the config as placed
+    and the device arrays."""
     tp = mesh.shape[AXIS]
     validate_tensor_parallel(cfg, tp)
-    cfg, params = expand_kv_heads(cfg, params, tp)
-    params = pad_vocab(params, cfg.vocab_size, tp)
+    cfg, params = placed_layout(cfg, params, tp)
     host_dtype = np.dtype(dtype)
     return cfg, {name: place(np.asarray(w, host_dtype), param_sharding(mesh, name, w.shape, cfg))
                  for name, w in params.items()}

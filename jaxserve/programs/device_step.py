@@ -144,6 +144,7 @@ class Forward(NamedTuple):
     the step's outputs."""
     model: Llama
     hidden: jax.Array  # [T, D]
+    sample_hidden: jax.Array  # [S, D]  at the sample rows (the logits')
     out: Any  # StepOutputs, or spec_step.SpecStepOutputs
 
 
@@ -185,9 +186,10 @@ def _forward(statics: StepStatics, layout: PackedLayout, state: nnx.State, k_cac
     x = read_inputs(layout, prev, inputs, block_size=k_cache.shape[3])
     model = nnx.merge(statics.graphdef, state)
     hidden, k_cache, v_cache = run_model(statics, model, x.input_ids, x.md, k_cache, v_cache)
-    logits = model.compute_logits(hidden[x.logits_indices])
-    return Forward(model, hidden, StepOutputs(k_cache, v_cache, logits,
-                                              rows_of(statics, x, x.input_ids)))
+    sample_hidden = hidden[x.logits_indices]
+    return Forward(model, hidden, sample_hidden,
+                   StepOutputs(k_cache, v_cache, model.compute_logits(sample_hidden),
+                               rows_of(statics, x, x.input_ids)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
@@ -206,6 +208,17 @@ def _step_prompt_logprobs(statics: StepStatics, layout: PackedLayout, num_top: i
     a separate program per token bucket, run only for steps where a row asks."""
     f = _forward(statics, layout, state, k_cache, v_cache, prev, inputs)
     return f.out, token_logprobs(f.model.compute_logits(f.hidden), targets, num_top)  # [T, V]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
+def _step_pooled(statics: StepStatics, layout: PackedLayout, state: nnx.State,
+                 k_cache: jax.Array, v_cache: jax.Array, prev: PrevSamples, inputs: jax.Array,
+                 ) -> tuple[StepOutputs, jax.Array]:
+    """`_step`, plus the final hidden state at each sample row, f32[S, D]: a pooling engine's
+    step (its requests' embeddings are their last tokens')."""
+    f = _forward(statics, layout, state, k_cache, v_cache, prev, inputs)
+    return f.out, jax.lax.with_sharding_constraint(f.sample_hidden.astype(jnp.float32),
+                                                   replicated(statics.kv_sharding))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -31,6 +31,7 @@ class ResolvedPlan:
     request_buckets: tuple[int, ...]
     num_speculative_tokens: int
     max_sample_rows: int  # the most rows any step samples: the length of `prev_sampled`
+    max_logprobs: int  # the top-n width of a step that computes logprobs (logprobs_cap)
     num_kv_blocks: int  # the pool's blocks, the null block included
     # Per device, the bytes a block took when the pool was sized from a memory budget; None
     # when the pool was given (num_kv_blocks, or a compiled directory's).
@@ -83,6 +84,7 @@ def resolve_plan(config: EngineConfig, cfg: LlamaConfig, platform: str,
         token_buckets=tuple(token_buckets), request_buckets=tuple(request_buckets),
         num_speculative_tokens=k,
         max_sample_rows=max_sample_rows(bucket_pairs(token_buckets, request_buckets), k),
+        max_logprobs=config.model.logprobs_cap(cfg.vocab_size),
         num_kv_blocks=per_seq + 1 if num_kv_blocks is None else num_kv_blocks)
 
 

@@ -50,9 +50,10 @@ def _spec_forward(statics: SpecStatics, layout: PackedLayout, state: nnx.State,
     hidden, k_cache, v_cache = run_model(step, model, p.input_ids, x.md, p.k_cache, p.v_cache)
     drafter_cache = drafter.pin(drafter.observe(drafter_weights, step.backend, p.drafter_cache,
                                                 p.input_ids, x.md), step.kv_sharding)
-    logits = model.compute_logits(hidden[x.logits_indices])
-    return Forward(model, hidden, SpecStepOutputs(k_cache, v_cache, drafter_cache, logits,
-                                                  rows_of(step, x, p.input_ids)))
+    sample_hidden = hidden[x.logits_indices]
+    return Forward(model, hidden, sample_hidden, SpecStepOutputs(
+        k_cache, v_cache, drafter_cache, model.compute_logits(sample_hidden),
+        rows_of(step, x, p.input_ids)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 6))

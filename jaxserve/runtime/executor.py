@@ -4,6 +4,7 @@ model runner. A step launches every rank before waiting for any, so ranks run co
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -11,13 +12,14 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.models.hf_loader import hf_param_parts
 from jaxserve.models.loaded_model import LoadedModel
-from jaxserve.models.loader import LoadingModel, start_loading
+from jaxserve.models.loader import LoadingModel, load_configured, start_loading
 from jaxserve.placement.device_memory import set_allocator_fraction
 from jaxserve.placement.mesh import initialize_distributed, rank_meshes
 from jaxserve.programs.draft_model import load_draft
 from jaxserve.runtime.model_runner import PendingStep, UnexpectedCompilationError
-from jaxserve.runtime.worker import BuiltWorker, Worker, restores_sharded
+from jaxserve.runtime.worker import SLEEP_TAGS, BuiltWorker, Worker, restores_sharded
 
 
 class Executor:
@@ -25,6 +27,9 @@ class Executor:
                  loaded: LoadedModel | LoadingModel | None = None):
         set_allocator_fraction(config.cache.gpu_memory_utilization)  # before JAX's GPU client
         initialize_distributed(config.parallel)
+        self.config = config
+        # Sleep level 2 drops the weights and reads them again from the checkpoint
+        self.weights_from_checkpoint = loaded is None
         m = config.model
         if loaded is None and not restores_sharded(config):
             loaded = start_loading(m)  # the weights are read while workers ready the rest
@@ -86,8 +91,42 @@ class Executor:
     def warm_up(self) -> float:
         return sum(w.runner.warm_up() for w in self.workers)
 
+    # ---- sleep mode and weight updates (vLLM's) ------------------------------------------
+    @property
+    def asleep(self) -> frozenset[str]:
+        """The parts asleep, of SLEEP_TAGS (equal on every rank)."""
+        return self.worker.asleep
 
-__all__ = ["Executor", "PendingStep", "UnexpectedCompilationError", "select_devices"]
+    @property
+    def sleep_level(self) -> int:
+        return self.worker.sleep_level
+
+    def held_bytes(self) -> dict[str, int]:
+        """Device bytes of the weights and of the KV cache, summed over ranks."""
+        return {tag: sum(w.held_bytes[tag] for w in self.workers) for tag in SLEEP_TAGS}
+
+    def sleep(self, level: int) -> None:
+        if level == 2 and not self.weights_from_checkpoint:
+            raise ValueError("level 2 drops the weights and reads them again from the "
+                             "checkpoint, but this engine's were given in memory; use level 1")
+        for w in self.workers:
+            w.sleep(level)
+
+    def wake_up(self, tags: frozenset[str]) -> None:
+        reload = "weights" in tags & self.asleep and self.sleep_level == 2
+        checkpoint = load_configured(self.config.model) if reload else None
+        for w in self.workers:
+            w.wake_up(tags, checkpoint)
+
+    def update_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """HF-named weights written over the model's, all checked before any is written."""
+        parts = hf_param_parts(self.worker.loaded.config, weights)
+        for w in self.workers:
+            w.update_weights(parts)
+
+
+__all__ = ["SLEEP_TAGS", "Executor", "PendingStep", "UnexpectedCompilationError",
+           "select_devices"]
 
 
 def select_devices(ids: list[int] | None) -> list[Any] | None:

@@ -40,8 +40,8 @@ from jaxserve.placement.mesh import replicate, to_host
 from jaxserve.programs.resolved import ResolvedPlan
 from jaxserve.placement.targets import chip_of
 from jaxserve.programs.device_step import (PrevSamples, ProgramKey, StepOutputs, StepStatics,
-                                           _sample, sample_rows_shape, split_model,
-                                           step_inputs, step_key, step_statics)
+                                           _sample, _step_pooled, sample_rows_shape,
+                                           split_model, step_inputs, step_key, step_statics)
 from jaxserve.programs.drafter import DrafterCache, make_drafter
 from jaxserve.programs.input_batch import (InputBatch, PackedLayout, RowSpec, StepArrays,
                                            logprobs_width, make_sampling_metadata, pack)
@@ -67,6 +67,7 @@ class PendingStep(NamedTuple):
     ids: jax.Array  # i32[2, S]: the sampled ids, and the drafts each row's request accepted
     prompt_plan: PromptLogprobsPlan | None = None
     prompt_out: TokenLogprobs | None = None  # device arrays, with prompt_plan
+    pooled: jax.Array | None = None  # f32[S, D]: a pooling engine's sample rows' hidden states
 
 
 class _LastStep(NamedTuple):
@@ -103,6 +104,7 @@ class ModelRunner:
         """`draft`: the draft model (speculative `draft_model`); `drafter_cache`: the
         drafter's zeroed cache (programs/drafter.py)."""
         self.config = config
+        self.pooling = config.model.pooling  # steps return the sample rows' hidden states
         self.mesh = mesh
         self.kv_sharding = k_cache.sharding
         self.model = model
@@ -158,15 +160,15 @@ class ModelRunner:
             num_rows = len(arrays.logits_indices)
             sampling = make_sampling_metadata(
                 rows, num_rows, eos_token_ids=self.eos_token_ids,
-                num_logprobs=(logprobs_width(self.config.model.max_logprobs)
+                num_logprobs=(logprobs_width(self.plan.max_logprobs)
                               if wants_logprobs else 0),
                 token_bitmask=step_bitmask(sched, arrays, num_rows))
             prompt_plan = plan_prompt_logprobs(
                 arrays, [self.batch.requests[r] for r in arrays.req_ids],
-                self.config.model.max_logprobs) if self.batch.prompt_logprobs_ids else None
+                self.plan.max_logprobs) if self.batch.prompt_logprobs_ids else None
         with self.timings.phase("dispatch"):
-            out, prompt_out, ids = self._run(arrays, sampling, prompt_plan, packed)
-            pending = PendingStep(arrays, rows, out, ids, prompt_plan, prompt_out)
+            out, prompt_out, pooled, ids = self._run(arrays, sampling, prompt_plan, packed)
+            pending = PendingStep(arrays, rows, out, ids, prompt_plan, prompt_out, pooled)
         self.batch.mark_pending(arrays)
         self.running_rows = {req_id: (int(arrays.sample_starts[i]), int(arrays.num_drafts[i]))
                              for i, req_id in enumerate(arrays.req_ids)
@@ -199,7 +201,7 @@ class ModelRunner:
     def collect(self, pending: PendingStep | None) -> ModelRunnerOutput:
         if pending is None:
             return ModelRunnerOutput([], [])
-        arrays, rows, out, ids, prompt_plan, prompt_out = pending
+        arrays, rows, out, ids, prompt_plan, prompt_out, pooled = pending
         with self.timings.phase("device"):
             sampled, accepted = to_host(ids)[:, :len(rows)]  # the step's one device -> host wait
         with self.timings.phase("update"):
@@ -218,24 +220,30 @@ class ModelRunner:
             arrays.req_ids, tokens,
             self._logprobs(out, rows, arrays.sample_starts, tokens) if wants_logprobs else None,
             finished_prompt_logprobs(arrays, self.batch.requests)
-            if self.batch.prompt_logprobs_ids else {})
+            if self.batch.prompt_logprobs_ids else {},
+            {} if pooled is None else self._pooled(arrays, to_host(pooled)))
 
     def _run(self, arrays: StepArrays, sampling: SamplingMetadata,
              prompt_plan: PromptLogprobsPlan | None = None,
              packed: tuple[np.ndarray, PackedLayout] | None = None,
-             ) -> tuple[SamplerOutput, TokenLogprobs | None, jax.Array]:
+             ) -> tuple[SamplerOutput, TokenLogprobs | None, jax.Array | None, jax.Array]:
         """`packed`: `step_inputs(arrays)`, when the caller has it."""
         inputs, layout = packed or step_inputs(arrays)
-        prev, prompt_out = self.prev, None
+        prev, prompt_out, pooled = self.prev, None, None
         shape = (len(arrays.input_ids), len(arrays.seq_lens), len(arrays.logits_indices),
                  arrays.device_drafts)
         if prompt_plan is not None:
-            num_top = self.config.model.max_logprobs
+            num_top = self.plan.max_logprobs
             self._count_shape(("step_prompt_logprobs", *shape, num_top))
             statics = self._statics(arrays)
             out, prompt_out = model_step(statics, prompt_logprobs=True)(
                 statics, layout, num_top, *self._weights_and_caches(), prev,
                 replicate(inputs, self.mesh), replicate(prompt_plan.targets, self.mesh))
+            logits, rows = self._keep(out)
+        elif self.pooling:
+            self._count_shape(("step_pooled", *shape))
+            out, pooled = _step_pooled(self.statics, layout, *self._weights_and_caches(), prev,
+                                       replicate(inputs, self.mesh))
             logits, rows = self._keep(out)
         else:
             key = step_key(arrays, layout)
@@ -256,7 +264,7 @@ class ModelRunner:
                                                  replicate(sampling_inputs, self.mesh))
         self._last_step = _LastStep(arrays, layout, prev, inputs, sampling_layout,
                                     sampling_inputs, weakref.ref(self.k_cache))
-        return out, prompt_out, ids
+        return out, prompt_out, pooled, ids
 
     def _statics(self, arrays: StepArrays) -> StepStatics | SpecStatics:
         return self.program_statics[arrays.device_drafts]
@@ -334,6 +342,12 @@ class ModelRunner:
             best = min(best, time.perf_counter() - start)
         self._last_step = last._replace(k_cache=weakref.ref(self.k_cache))
         return best
+
+    @staticmethod
+    def _pooled(arrays: StepArrays, hidden: np.ndarray) -> dict[str, np.ndarray]:
+        """Per request this step takes to its last known token: its hidden state there."""
+        return {req_id: hidden[arrays.sample_starts[i]] for i, req_id in enumerate(arrays.req_ids)
+                if arrays.completes_sequence[i]}
 
     @staticmethod
     def _logprobs(out: SamplerOutput, rows: list[RowSpec], sample_starts: np.ndarray,
@@ -414,7 +428,7 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def warm_up_programs(self) -> list[tuple[StepArrays, SamplingMetadata]]:
-        return planned_programs(self.config, self.model.cfg, self.plan)
+        return planned_programs(self.model.cfg, self.plan)
 
     def _loaded(self, arrays: StepArrays, sampling: SamplingMetadata) -> bool:
         return (step_key(arrays) in self.executables

@@ -6,7 +6,6 @@ which a first prompt that fits runs in, padded, until its own bucket's program i
 
 from __future__ import annotations
 
-from jaxserve.config import EngineConfig
 from jaxserve.layers.sampler import SamplingMetadata
 from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.programs.resolved import ResolvedPlan
@@ -20,11 +19,11 @@ from jaxserve.runtime.compiled_dir import KV_INIT
 FIRST_PROMPT_TOKENS = 64
 
 
-def planned_programs(config: EngineConfig, cfg: LlamaConfig, plan: ResolvedPlan,
+def planned_programs(cfg: LlamaConfig, plan: ResolvedPlan,
                      ) -> list[tuple[StepArrays, SamplingMetadata]]:
     """The steps warm-up runs for an engine with this model (`warm_up_programs`)."""
     return warm_up_programs(plan.token_buckets, plan.request_buckets,
-                            plan.blocks_per_seq, cfg.eos_token_ids, config.model.max_logprobs,
+                            plan.blocks_per_seq, cfg.eos_token_ids, plan.max_logprobs,
                             cfg.vocab_size, plan.num_speculative_tokens)
 
 

@@ -24,6 +24,7 @@ from jaxserve.layers.attention import (
     validate_backend,
 )
 from jaxserve.models.checkpoint_io import load_converted, read_converted_config
+from jaxserve.models.hf_loader import ParamParts
 from jaxserve.models.llama import init_kv_cache, kv_cache_bytes_per_block
 from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loaded_model import CONVERTED_CONFIG_FILE, LoadedModel
@@ -33,12 +34,15 @@ from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.placement import device_memory
 from jaxserve.placement.host_memory import CPU_KV_MEMORY_FRACTION, available_host_bytes
 from jaxserve.placement.huge_pages import place_zeroed_on_huge_pages
+from jaxserve.placement.parked import (LeafPath, Parked, device_bytes, leaves_by_path, park,
+                                       tree_of, unpark, written)
 from jaxserve.placement.mesh import rank_meshes
 from jaxserve.programs.resolved import ResolvedPlan, resolve_plan
 from jaxserve.placement.sharding import (
     AXIS,
     kv_cache_sharding,
     param_sharding,
+    placed_layout,
     shard_params,
     validate_tensor_parallel,
     with_device_kernels,
@@ -54,6 +58,8 @@ from jaxserve.runtime.model_runner import ModelRunner
 from jaxserve.runtime.program_order import first_programs, planned_programs
 
 logger = logging.getLogger(__name__)
+
+SLEEP_TAGS = ("weights", "kv_cache")  # vLLM's names of what sleep() frees and wake_up() restores
 
 
 def enable_compilation_cache(cache_dir: str | None) -> None:
@@ -165,12 +171,17 @@ class Worker:
         self.plan = self._sized_plan(backend)
         self.kv_sharding = kv_cache_sharding(self.mesh)
         executables = self._check_compiled(programs)
-        k_cache, v_cache, *drafter_cache = (executables.pop(KV_INIT, None) or self.kv_init)()
-        place_zeroed_on_huge_pages((k_cache, v_cache, *drafter_cache))  # CPU (huge_pages.py)
+        self._init_kv_pool = executables.pop(KV_INIT, None) or self.kv_init  # kept for wake_up
+        k_cache, v_cache, *drafter_cache = self._zeroed_kv_pool()
         self.runner = ModelRunner(config, self.model, k_cache, v_cache, backend, self.mesh,
                                   self.plan, cfg.eos_token_ids, self.draft,
                                   tuple(drafter_cache))
         self.runner.executables = executables
+        # Sleep mode: the parts asleep (of SLEEP_TAGS), the level, the weights taken off
+        self.asleep: frozenset[str] = frozenset()
+        self.sleep_level = 0
+        self._parked: tuple[Parked, Parked] | None = None  # the target's, the draft's
+        self.held_bytes = self._device_bytes()
 
     def _validate_backend(self, backend: AttentionBackend, platform: str,
                           cfg: LlamaConfig) -> None:
@@ -229,7 +240,7 @@ class Worker:
             logger.warning("%s; compiling instead", e)
             return None
         programs.load_in_background(first_programs(
-            planned_programs(self.config, cfg, self.plan)))
+            planned_programs(cfg, self.plan)))
         return programs
 
     def _check_compiled(self, programs: compiled_dir.LoadedPrograms | None,
@@ -300,6 +311,81 @@ class Worker:
             num_blocks = min(share, self.config.scheduler.max_num_seqs
                              * self.plan.blocks_per_seq + 1)
         return self.plan.with_pool(num_blocks, per_block)
+
+    def _zeroed_kv_pool(self) -> tuple[jax.Array, ...]:
+        caches = self._init_kv_pool()
+        place_zeroed_on_huge_pages(caches)  # CPU (huge_pages.py)
+        return caches
+
+    # ---- sleep mode and weight updates (vLLM's) -------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Free the KV cache and take the weights off the devices: to the host (level 1); at
+        level 2 the checkpoint's weights are dropped (`wake_up` is given them again) and only
+        what the model computes itself (a rotary table) and a draft model's go to the host."""
+        runner = self.runner
+        caches = (runner.k_cache, runner.v_cache, *runner.drafter_cache)
+        jax.block_until_ready(caches)  # the last step's: when they are in, no step reads more
+        # The model's Params are the checkpoint's weights; its other variables it computes.
+        params = leaves_by_path(nnx.to_pure_dict(nnx.state(self.model, nnx.Param)))[0]
+        self._parked = (park(runner.params, lambda path: level == 1 or path not in params),
+                        park(runner.drafter_weights, lambda path: True))
+        for cache in caches:
+            cache.delete()
+        self.asleep, self.sleep_level = frozenset(SLEEP_TAGS), level
+        self.held_bytes = self._device_bytes()
+
+    def wake_up(self, tags: frozenset[str], checkpoint: LoadedModel | None) -> None:
+        """Put back the parts named by `tags` that are asleep, each array of the shape, dtype
+        and sharding it had: the weights as they were (after level 2: `checkpoint`'s), the KV
+        cache zeroed."""
+        runner = self.runner
+        if "weights" in tags & self.asleep:
+            target, draft = self._parked
+            dropped = {} if checkpoint is None else self._written(
+                target.specs, {name: [((), value)] for name, value in checkpoint.params.items()})
+            self._set_weights(unpark(target, dropped), unpark(draft, {}))
+            self._parked = None
+        if "kv_cache" in tags & self.asleep:
+            k_cache, v_cache, *drafter_cache = self._zeroed_kv_pool()
+            runner.k_cache, runner.v_cache = k_cache, v_cache
+            runner.drafter_cache = tuple(drafter_cache)
+        self.asleep -= tags
+        self.sleep_level = self.sleep_level if self.asleep else 0
+        self.held_bytes = self._device_bytes()
+
+    def update_weights(self, parts: ParamParts) -> None:
+        """Write these parts of the target's params (`hf_param_parts`) over its weights."""
+        leaves, treedef = leaves_by_path(self.runner.params)
+        new = {path: jax.device_put(host, leaves[path].sharding)
+               for path, host in self._written(leaves, parts).items()}
+        self._set_weights(tree_of(treedef, leaves | new), self.runner.drafter_weights)
+
+    def _written(self, leaves: dict[LeafPath, Any], parts: ParamParts,
+                 ) -> dict[LeafPath, np.ndarray]:
+        """The target's weight arrays that `parts` fall in (`leaves`: the arrays, or their
+        specs, by path) as host arrays with the parts written over them, in the layout and
+        dtype the devices hold."""
+        tp = self.mesh.shape[AXIS]
+        by_leaf: dict[LeafPath, list[tuple[tuple[int, ...], np.ndarray]]] = {}
+        for param, param_parts in parts.items():
+            for index, value in param_parts:
+                placed = placed_layout(self.loaded.config, {param: value}, tp)[1][param]
+                for path, at, part in self.model.held_parts(param, index, placed):
+                    by_leaf.setdefault(path, []).append((at, part))
+        return {path: written(leaves[path], leaf_parts) for path, leaf_parts in by_leaf.items()}
+
+    def _set_weights(self, params: dict[str, Any], drafter_weights: dict[str, Any]) -> None:
+        """The steps' weights; the models get them too, so that no old array outlives them."""
+        self.runner.params, self.runner.drafter_weights = params, drafter_weights
+        nnx.update(self.model, params)
+        if self.draft is not None:
+            nnx.update(self.draft, drafter_weights)
+
+    def _device_bytes(self) -> dict[str, int]:
+        """Device bytes the weights and the KV cache hold, by SLEEP_TAGS' names."""
+        runner = self.runner
+        return {"weights": device_bytes((runner.params, runner.drafter_weights)),
+                "kv_cache": device_bytes((runner.k_cache, runner.v_cache, runner.drafter_cache))}
 
     def read_blocks(self, block_ids: list[int], heads: tuple[int, ...],
                     ) -> tuple[jax.Array, jax.Array]:

@@ -4,19 +4,16 @@ directory built for another engine, or damaged, is refused with a message naming
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import jax
 import pytest
 
-from engine_helpers import hf_greedy, random_prompts
+from engine_helpers import COMPILE_EVENT, backend_compiles, hf_greedy, random_prompts
 from jaxserve import LLM, SamplingParams
 from jaxserve.compilation import aot
 from jaxserve.config import EngineConfig
@@ -25,7 +22,6 @@ from jaxserve.programs.input_batch import StepArrays
 from jaxserve.runtime import compiled_dir
 from jaxserve.runtime.program_order import first_programs
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 ENGINE = dict(max_model_len=128, num_kv_blocks=64, block_size=16, max_num_seqs=4,
               max_num_batched_tokens=32, token_buckets=[8, 16, 32], request_buckets=[4],
               compilation_cache_dir="")
@@ -46,22 +42,6 @@ def _copy(src: Path, dst: Path) -> Path:
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
     return dst
-
-
-@contextlib.contextmanager
-def backend_compiles() -> Iterator[list[str]]:
-    """Every XLA backend compilation in the process while the block runs."""
-    events: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs: object) -> None:
-        if event == COMPILE_EVENT:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 FRESH_PROCESS = """

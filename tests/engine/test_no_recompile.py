@@ -4,29 +4,20 @@ from __future__ import annotations
 
 import re
 
-import jax
 import numpy as np
 import pytest
 
+from engine_helpers import backend_compiles
 from jaxserve import LLM, SamplingParams
 from jaxserve.runtime.model_runner import UnexpectedCompilationError
 from jaxserve.sampling_params import StructuredOutputsParams
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
-
-@pytest.fixture
-def backend_compiles():
+@pytest.fixture(name="backend_compiles")
+def backend_compiles_fixture():
     """Counts every XLA backend compilation in the process while the test runs."""
-    events: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs: object) -> None:
-        if event == COMPILE_EVENT:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield events
-    jax.monitoring.unregister_event_duration_listener(listener)
+    with backend_compiles() as events:
+        yield events
 
 
 def test_200_random_requests_trigger_no_compilation_after_warm_up(hf_checkpoint,

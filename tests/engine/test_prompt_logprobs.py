@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import SMALL_ENGINE, assert_no_leaks, check_against_hf, random_prompts
+from engine_helpers import (FEW_BUCKETS, SMALL_ENGINE, assert_no_leaks, check_against_hf,
+                            random_prompts)
 from jaxserve import LLM, SamplingParams
 
 
@@ -57,11 +58,34 @@ def test_prompt_logprobs_with_n_and_sampling(llm, hf_checkpoint):
     assert_no_leaks(llm.llm_engine)
 
 
-def test_prompt_logprobs_over_max_logprobs_is_refused(llm):
+def test_logprobs_over_max_logprobs_are_refused(llm):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate("hi", SamplingParams(prompt_logprobs=10_000))
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=-1)
+    for name in ("logprobs", "prompt_logprobs"):  # -1, the vocabulary's 320, are over 20
+        with pytest.raises(ValueError, match=rf"^{name} must be <= max_logprobs \(20\), got "
+                                             r"-1 \(the whole vocabulary, 320\)"):
+            llm.generate("hi", SamplingParams(**{name: -1}))
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: -2})
+    assert_no_leaks(llm.llm_engine)
+
+
+def test_logprobs_minus_one_are_the_whole_vocabulary_as_hf_log_softmax(hf_checkpoint,
+                                                                       compile_cache_dir):
+    """vLLM's -1, with max_logprobs=-1 (no cap): every token's logprob at each sampled and
+    each prompt position."""
+    path = hf_checkpoint("llama")
+    llm = LLM(str(path), compilation_cache_dir=compile_cache_dir, max_logprobs=-1,
+              **SMALL_ENGINE | FEW_BUCKETS)
+    vocab = llm.llm_engine.input_processor.vocab_size
+    prompt = random_prompts(1, 20, 20, seed=7)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0.0, max_tokens=3, logprobs=-1, prompt_logprobs=-1, ignore_eos=True))[0]
+    check_against_hf(path, prompt, out.prompt_logprobs, vocab)
+    sample = out.outputs[0]
+    check_against_hf(path, prompt + sample.token_ids, [None] * len(prompt) + sample.logprobs,
+                     vocab, first=len(prompt))
+    assert {len(e) for e in out.prompt_logprobs[1:] + sample.logprobs} == {vocab}
     assert_no_leaks(llm.llm_engine)
 
 

@@ -52,6 +52,7 @@ def test_the_plan_reads_the_models_context_and_the_platforms_dtype_and_leaves_co
     assert _plan(dtype="float16").dtype == jnp.float16
     assert plan.token_buckets == (1, 2, 4, 8, 16, 32) and plan.request_buckets == (4,)
     assert plan.mesh_shape == (1, 1) and plan.mesh_axes == ("data", "model")
+    assert plan.max_logprobs == 20 and _plan(max_logprobs=-1).max_logprobs == 64  # vocabulary
     assert hash(plan) == hash(dataclasses.replace(plan))
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.max_model_len = 1  # type: ignore[misc]

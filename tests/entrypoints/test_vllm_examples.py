@@ -322,3 +322,28 @@ def test_the_tokenizer_argument_is_honoured(engine_args: dict[str, Any], llm: LL
     config = EngineConfig.from_kwargs(**engine_args | {"tokenizer": str(tmp_path)})
     with pytest.raises(ValueError, match="tokenizer: no tokenizer.json"):
         _tokenizer(config, None, model)
+
+
+def test_set_tokenizer_tokenises_and_detokenises_later_requests(llm: LLM, tiny_model: Path,
+                                                               ) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_model)
+    hf.add_tokens(["<robot>"])  # the model's vocabulary (320) has room past the checkpoint's
+    robot, own = hf.convert_tokens_to_ids("<robot>"), llm.get_tokenizer()
+    params = SamplingParams(max_tokens=2, allowed_token_ids=[robot])
+    try:
+        llm.set_tokenizer(hf)
+        out = llm.generate("Hello <robot>", params, use_tqdm=False)[0]
+        assert out.prompt_token_ids == hf.encode("Hello <robot>")
+        assert out.prompt_token_ids[-1] == robot and out.outputs[0].token_ids == [robot, robot]
+        assert out.outputs[0].text == "<robot><robot>"
+        assert llm.get_tokenizer().encode("<robot>") == [robot]
+    finally:
+        llm.set_tokenizer(own)
+    out = llm.generate("Hello <robot>", params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == own.encode("Hello <robot>") and robot not in \
+        out.prompt_token_ids and out.outputs[0].text != "<robot><robot>"
+    for bad in ("gpt2", None):
+        with pytest.raises(ValueError, match="tokenizer must be a jaxserve Tokenizer or an HF"):
+            llm.set_tokenizer(bad)

@@ -58,4 +58,4 @@ def test_max_logprobs_beyond_the_vocabulary_is_rejected(hf_checkpoint):
     with pytest.raises(ValueError, match="max_logprobs"):
         LLM(str(hf_checkpoint("llama")), max_logprobs=321, max_model_len=64, num_kv_blocks=16)
     with pytest.raises(ValueError, match="max_logprobs"):
-        LLM(str(hf_checkpoint("llama")), max_logprobs=-1)
+        LLM(str(hf_checkpoint("llama")), max_logprobs=-2)  # -1: no cap

@@ -38,6 +38,7 @@ def test_bad_requests_get_400_while_requests_in_flight_are_unaffected(served, of
         ({"prompt": "x", "n": "three"}, "n", "valid integer"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be in [1, 2147483647]"),
         ({"prompt": "x", "logprobs": 1000}, "logprobs", "max_logprobs"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs", "logprobs must be >= 0"),  # OpenAI's
         ({"prompt": "x", "n": 97500}, "n", "n must be <= max_n (64)"),  # not a 503 queue_full
         ({"prompt": "x", "top_k": 2**31}, "top_k", "top_k must be in [-1, 2147483647]"),
         ({"prompt": "x", "seed": 2**70}, "seed", "seed must be in"),

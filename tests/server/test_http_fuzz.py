@@ -59,7 +59,7 @@ def fuzz_operations(url: str, headers: dict[str, str], examples: int) -> dict[st
 
 def test_schemathesis_finds_no_server_error_or_schema_mismatch(served):
     counts = fuzz_operations(served.url, served.headers, EXAMPLES)
-    assert len(counts) == 5 + 5 * 2 and min(counts.values()) >= 1  # GETs; POSTs both modes
+    assert len(counts) == 5 + 6 * 2 and min(counts.values()) >= 1  # GETs; POSTs both modes
     wait_engine_idle(served.llm)
     served.llm.call_in_engine(assert_no_leaks).result()
     assert httpx.get(f"{served.url}/health").status_code == 200

@@ -37,8 +37,12 @@ HELP = {
                          "repetition_penalty or max_tokens take the checkpoint's "
                          "(generation_config.json, a GGUF's general.sampling.*); vllm: they "
                          "take vLLM's defaults",
-    "max_logprobs": "largest logprobs / prompt_logprobs a request may ask for",
+    "max_logprobs": "largest logprobs / prompt_logprobs a request may ask for (-1: no cap)",
     "max_n": "most samples (n) one request may ask for",
+    "runner": "generate (text) or pooling (an embedding model: LLM.embed, /v1/embeddings, "
+              "the last token's final hidden state); auto: generate",
+    "convert": "how a pooling runner converts the checkpoint: auto or embed",
+    "task": "vLLM's older name for the runner: generate, or embed (runner pooling)",
     "block_size": "tokens per KV-cache block (a power of two)",
     "num_kv_blocks": "KV-cache blocks in the pool, instead of sizing it from device memory",
     "gpu_memory_utilization": "share of accelerator memory for the weights and the KV cache",
@@ -103,7 +107,7 @@ VLLM_FLAG_TYPES: dict[str, type] = {
     "distributed_executor_backend": str, "tokenizer_mode": str, "revision": str,
     "code_revision": str, "tokenizer_revision": str, "quantization": str,
     "kv_cache_dtype": str, "pipeline_parallel_size": int, "cpu_offload_gb": float,
-    "data_parallel_size": int,
+    "data_parallel_size": int, "task": str,
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from pathlib import Path
@@ -29,6 +30,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "needs one to read prompts")
     limits = {name: getattr(args, name) for name in ("max_body_bytes", "read_timeout_s")
               if getattr(args, name) is not None}  # else the server's defaults
+    # As vLLM's server: the startup heap (imports, engine, model) marked static, so that the
+    # oldest generation's collections skip it; they hold the GIL, stalling the event loop.
+    gc.collect()
+    gc.freeze()
     return run_server(llm, args.served_model_name or [args.model or "jaxserve-default"],
                       args.host, args.port,
                       api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -28,12 +28,14 @@ from jaxserve.entrypoints.openai import API_KEY_ENV
 from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                   CompletionRequest, CompletionResponse,
                                                   DetokenizeRequest, DetokenizeResponse,
+                                                  EmbeddingRequest, EmbeddingResponse,
                                                   ModelCard, ModelList, TokenizeChatRequest,
                                                   TokenizeCompletionRequest, TokenizeResponse,
                                                   VersionResponse)
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_common import cancel_on_disconnect
 from jaxserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from jaxserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jaxserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from jaxserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
@@ -90,6 +92,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
     for serving in (completions, chat):
         serving.log_requests, serving.max_log_len = log_requests, max_log_len
     tokenization = OpenAIServingTokenization(llm, served_model_names, metrics, chat_template)
+    embedding = OpenAIServingEmbedding(llm, served_model_names, metrics)
     install_error_handlers(app)
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=max_body_bytes,
                        read_timeout_s=read_timeout_s)
@@ -154,6 +157,10 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
               responses=body_errors | _generation_reply(ChatCompletionResponse))
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await cancel_on_disconnect(raw, chat.create(req))
+
+    @app.post("/v1/embeddings", responses=body_errors)
+    async def create_embedding(req: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
+        return await cancel_on_disconnect(raw, embedding.create(req))
 
     either = {"anyOf": [{"$ref": "#/components/schemas/CompletionRequest"},
                         {"$ref": "#/components/schemas/ChatCompletionRequest"}]}

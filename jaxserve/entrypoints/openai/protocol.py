@@ -10,8 +10,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler,
-                      WrapValidator, model_serializer, model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field,
+                      ValidatorFunctionWrapHandler, WrapValidator, model_serializer,
+                      model_validator)
 
 
 class StreamOptions(BaseModel):
@@ -35,6 +36,17 @@ def _check_text(value: Any, where: str) -> None:
         for i, item in enumerate(value):
             if isinstance(item, (str, dict, list)):  # a long token id list: no call per id
                 _check_text(item, f"{where}.{i}")
+
+
+def _item(value: Any) -> Any:
+    return value
+
+
+# An item of a list that a body may hold millions of. Pydantic holds the GIL through a whole
+# list (1.7 s for 270k chat messages), stalling the event loop even from a worker thread; a
+# Python call per item lets the loop's thread take the GIL between two.
+Item = BeforeValidator(_item)
+TokenIds = list[Annotated[int, Item]]
 
 
 class APIRequest(BaseModel):
@@ -78,7 +90,7 @@ class SamplingRequest(APIRequest):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
@@ -91,7 +103,7 @@ class SamplingRequest(APIRequest):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None
@@ -124,18 +136,23 @@ class SamplingRequest(APIRequest):
         return super().unsupported_field()
 
 
-def _prompt(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    """The prompt's shape, checked in Python: pydantic's check of the union holds the GIL for
-    seconds on a long token id list (1.5 s for 3.5M ids), stalling the event loop even from a
-    worker thread; a Python loop lets it run."""
-    if isinstance(value, str):
-        return handler(value)
-    if isinstance(value, list) and (
-            all(type(t) is int for t in value) or all(type(t) is str for t in value)
-            or all(type(p) is list and all(type(t) is int for t in p) for p in value)):
-        return value
-    raise ValueError("prompt: must be a string, a list of strings, a list of token ids "
-                     f"(integers) or a list of token id lists, got {_shape(value)}")
+def _prompts(name: str) -> WrapValidator:
+    """A field of one or more prompts (text or token ids), its shape checked in Python:
+    pydantic's check of the union holds the GIL for seconds on a long token id list (1.5 s for
+    3.5M ids), stalling the event loop even from a worker thread; a Python loop lets it run."""
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if isinstance(value, str):
+            return handler(value)
+        if isinstance(value, list) and (
+                all(type(t) is int for t in value) or all(type(t) is str for t in value)
+                or all(type(p) is list and all(type(t) is int for t in p) for p in value)):
+            return value
+        raise ValueError(f"{name}: must be a string, a list of strings, a list of token ids "
+                         f"(integers) or a list of token id lists, got {_shape(value)}")
+    return WrapValidator(check)
+
+
+Prompts = str | list[str] | list[int] | list[list[int]]
 
 
 def _shape(value: Any) -> str:
@@ -146,7 +163,7 @@ def _shape(value: Any) -> str:
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WrapValidator(_prompt)]
+    prompt: Annotated[Prompts, _prompts("prompt")]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -174,7 +191,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: list[Annotated[ChatMessage, Item]]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -208,7 +225,7 @@ class TokenizeCompletionRequest(APIRequest):
 
 
 class TokenizeChatRequest(APIRequest):
-    messages: list[ChatMessage]
+    messages: list[Annotated[ChatMessage, Item]]
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     continue_final_message: bool = False
@@ -224,7 +241,7 @@ class TokenizeChatRequest(APIRequest):
 
 
 class DetokenizeRequest(APIRequest):
-    tokens: list[int]
+    tokens: TokenIds
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -390,3 +407,33 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class EmbeddingRequest(APIRequest):
+    """`POST /v1/embeddings` (OpenAI's, with vLLM's extensions after the blank line)."""
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {"dimensions": (None,)}
+    input: Annotated[Prompts, _prompts("input")]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+    priority: int = 0
+    request_id: str | None = None
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo

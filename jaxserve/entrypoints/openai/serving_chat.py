@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -45,9 +46,9 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
-        params = self.sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
-        prompt_ids = self.fit(await self.render_chat(req, req.tools), req, "messages",
-                              max_tokens)
+        params = await asyncio.to_thread(self.sampling_params, req, max_tokens,
+                                         (top or 0) if req.logprobs else None)
+        prompt_ids = await asyncio.to_thread(self._prompt, req, max_tokens)
         request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         gens = await self.start(request_id, [{"prompt_token_ids": prompt_ids}], params, req)
         model = req.model or self.model_names[0]
@@ -55,6 +56,9 @@ class OpenAIServingChat(OpenAIServing):
             return SSEResponse(self._stream(request_id, model, gens[0], params.n, req))
         return JSONResponse((await self._collect(request_id, model, gens[0], params.n,
                                                  req)).model_dump())
+
+    def _prompt(self, req: ChatCompletionRequest, max_tokens: int | None) -> list[int]:
+        return self.fit(self.render_chat(req, req.tools), req, "messages", max_tokens)
 
     def _logprobs(self, comp: CompletionOutput, num_top: int) -> ChatLogprobs:
         def entry(token_id: int, logprob: float) -> TopLogprob:

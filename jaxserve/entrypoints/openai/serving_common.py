@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -18,8 +17,9 @@ from jaxserve.engine.input_processor import truncated
 from jaxserve.entrypoints.openai.errors import APIError, bad_request
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import (APIRequest, ChatCompletionRequest,
-                                                  ChoicesResponse, SamplingRequest,
-                                                  TokenizeChatRequest, UsageInfo)
+                                                  ChoicesResponse, EmbeddingRequest, Prompts,
+                                                  SamplingRequest, TokenizeChatRequest,
+                                                  UsageInfo)
 from jaxserve.entrypoints.openai.structured import structured_outputs_of
 from jaxserve.models.chat_template import template_variables, text_content
 from jaxserve.outputs import RequestOutput
@@ -57,6 +57,9 @@ class SSEResponse(StreamingResponse):
 
 
 class OpenAIServing:
+    """What the endpoints share. Its methods that take time in proportion to a request's size
+    (sampling params, tokenising, chat templates) are called on a worker thread: on the event
+    loop a large request would stall every other one (and /health) for seconds."""
     # vLLM's --enable-log-requests: each request's prompt and parameters logged at INFO, the
     # prompt cut to --max-log-len characters / token ids (None: whole)
     log_requests: bool = False
@@ -96,13 +99,11 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), param, "context_length_exceeded") from None
 
-    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        """Tokenise on a worker thread: a long text takes seconds, which on the event loop
-        would stall every other request (and /health)."""
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         self.check_chars(text, param)
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
 
-    async def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest,
+    def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest,
                           tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The request's messages' token ids through the tokenizer's chat template, with its
         add_generation_prompt, continue_final_message and chat_template_kwargs."""
@@ -126,17 +127,47 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), "chat_template_kwargs") from None
         try:
-            return await asyncio.to_thread(functools.partial(
-                self.tokenizer.apply_chat_template, conversation, tools,
-                chat_template=self.chat_template,
+            text = self.tokenizer.apply_chat_template(
+                conversation, tools, chat_template=self.chat_template,
                 add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                **variables))
+                continue_final_message=req.continue_final_message, tokenize=False,
+                **variables)
         except Exception as exc:  # noqa: BLE001 (a template error is the request's fault)
             raise APIError(400, f"messages: the chat template failed: {exc}", "messages") \
                 from None
+        # Checked again as rendered: many empty messages make a long text. The template
+        # writes the BOS itself.
+        return self.encode(text, "messages", add_special_tokens=False)
 
-    def fit(self, token_ids: list[int], req: SamplingRequest, param: str,
+    def tokenized_prompts(self, prompt: Prompts, param: str, add_special_tokens: bool,
+                          fit: Callable[[list[int]], list[int]]) -> list[dict[str, Any]]:
+        """Each prompt of `prompt` (one or a list, text or token ids) as the engine takes it,
+        its token ids through `fit` (truncation and the context check)."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            items: list[Any] = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError(400, f"{param} must not be empty", param)
+        if len(items) > self.llm.max_queued_requests:  # refused before any is tokenised
+            raise APIError(400, f"{param}: {len(items)} prompts are more than this server "
+                           f"queues at once (max_queued_requests="
+                           f"{self.llm.max_queued_requests})", param)
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise APIError(400, f"{param} must not be empty", param)
+                if self.tokenizer is None:
+                    raise APIError(400, f"{param}: this model has no tokenizer; send token "
+                                   "ids", param)
+                ids = self.encode(item, param, add_special_tokens)
+                prompts.append({"prompt": item, "prompt_token_ids": fit(ids)})
+            else:
+                prompts.append({"prompt_token_ids": fit(list(item))})
+        return prompts
+
+    def fit(self, token_ids: list[int], req: SamplingRequest | EmbeddingRequest, param: str,
             max_tokens: int | None) -> list[int]:
         """The prompt as the engine will see it (truncate_prompt_tokens applied), checked to
         fit the context with `max_tokens`."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,6 +36,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, f"best_of must equal n ({req.n}) here, got {req.best_of}",
                            "best_of", "unsupported")
+        if req.logprobs is not None and req.logprobs < 0:  # OpenAI's; SamplingParams takes -1
+            raise APIError(400, f"logprobs must be >= 0, got {req.logprobs}", "logprobs")
         scores_prompt = req.echo and req.logprobs is not None
         if scores_prompt and req.stream:
             raise APIError(400, "echo with logprobs is not supported when streaming", "echo",
@@ -48,41 +51,24 @@ class OpenAIServingCompletion(OpenAIServing):
         # echo with max_tokens=0 (an evaluation harness's log-likelihood request): the prompt
         # alone; the engine samples one token, which is not returned.
         prompt_only = req.echo and req.max_tokens == 0
-        params = self.sampling_params(req, 1 if prompt_only else req.max_tokens, req.logprobs,
-                                      req.logprobs if scores_prompt else req.prompt_logprobs)
-        prompts = await self._prompts(req)
+        params = await asyncio.to_thread(
+            self.sampling_params, req, 1 if prompt_only else req.max_tokens, req.logprobs,
+            req.logprobs if scores_prompt else req.prompt_logprobs)
+        prompts, echoes = await asyncio.to_thread(self._prompts, req)
         request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         gens = await self.start(request_id, prompts, params, req)
         model = req.model or self.model_names[0]
-        echoes = [self._prompt_text(p) if req.echo else "" for p in prompts]
         if req.stream:
             return SSEResponse(self._stream(request_id, model, gens, params.n, echoes, req))
         return JSONResponse((await self._collect(request_id, model, gens, params.n, echoes,
                                                  req)).model_dump())
 
-    async def _prompts(self, req: CompletionRequest) -> list[dict[str, Any]]:
-        prompt = req.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            items: list[Any] = [prompt]
-        else:
-            items = list(prompt)
-        if not items:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        prompts = []
-        for item in items:
-            if isinstance(item, str):
-                if not item:
-                    raise APIError(400, "prompt must not be empty", "prompt")
-                if self.tokenizer is None:
-                    raise APIError(400, "prompt: this model has no tokenizer; send token ids",
-                                   "prompt")
-                ids = await self.encode(item, "prompt", req.add_special_tokens)
-                prompts.append({"prompt": item, "prompt_token_ids": self.fit(
-                    ids, req, "prompt", req.max_tokens)})
-            else:
-                prompts.append({"prompt_token_ids": self.fit(list(item), req, "prompt",
-                                                             req.max_tokens)})
-        return prompts
+    def _prompts(self, req: CompletionRequest) -> tuple[list[dict[str, Any]], list[str]]:
+        """The prompts as the engine takes them, and the text each echoes."""
+        prompts = self.tokenized_prompts(req.prompt, "prompt", req.add_special_tokens,
+                                         lambda ids: self.fit(ids, req, "prompt",
+                                                              req.max_tokens))
+        return prompts, [self._prompt_text(p) if req.echo else "" for p in prompts]
 
     def _prompt_text(self, prompt: dict[str, Any]) -> str:
         if "prompt" in prompt:
