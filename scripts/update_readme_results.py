@@ -14,7 +14,7 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 ORDER = ("bench_real_model", "bench_throughput_vs_hf", "bench_throughput_vs_hf_large_batch",
          "bench_prefix_caching",
          "bench_chunked_prefill", "bench_mixed_batching", "bench_spec_decode",
-         "bench_embeddings",
+         "bench_embeddings", "bench_health_under_load",
          "bench_host_overhead",
          "bench_decode_roofline",
          "bench_compile_check", "bench_startup", "bench_startup_targets")
