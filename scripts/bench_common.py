@@ -8,6 +8,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,25 @@ def make_engine(model: str | Path, **engine_args: Any) -> Any:
     from jaxserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig.from_kwargs(model=str(model), **engine_args))
+
+
+def fastest_torch_threads(probe: Callable[[], Any]) -> int:
+    """Set torch to whichever thread count, 1 or 2, runs `probe` (a short piece of the HF side
+    of a benchmark) faster, and return it: on a busy 2-core machine, 2 OpenMP threads can be
+    5-10x slower than 1."""
+    import torch
+
+    best, best_s = 1, float("inf")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            start = time.perf_counter()
+            probe()
+            seconds = time.perf_counter() - start
+        if seconds < best_s:
+            best, best_s = threads, seconds
+    torch.set_num_threads(best)
+    return best
 
 
 # ---- models -------------------------------------------------------------------------------

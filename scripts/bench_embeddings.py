@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from bench_common import dummy_hf_checkpoint, make_workload, markdown_table, write_result
+from bench_common import (dummy_hf_checkpoint, fastest_torch_threads, make_workload,
+                          markdown_table, write_result)
 
 ENGINE_ARGS = dict(load_format="hf", dtype="float32", max_model_len=512, block_size=16,
                    num_kv_blocks=1024, max_num_batched_tokens=512, max_num_seqs=32,
@@ -36,20 +37,6 @@ def hf_embed(model: Any, prompts: list[list[int]], batch_size: int) -> np.ndarra
             hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -1]
         out.append(torch.nn.functional.normalize(hidden, dim=-1).numpy())
     return np.concatenate(out)
-
-
-def pick_torch_threads(model: Any, prompts: list[list[int]], batch_size: int) -> int:
-    import torch
-
-    best, best_s = 1, float("inf")
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        start = time.perf_counter()
-        hf_embed(model, prompts[:batch_size], batch_size)
-        if time.perf_counter() - start < best_s:
-            best, best_s = threads, time.perf_counter() - start
-    torch.set_num_threads(best)
-    return best
 
 
 def main() -> None:
@@ -74,7 +61,7 @@ def main() -> None:
     ours = np.array([o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)])
     ours_s = time.perf_counter() - start
     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
-    threads = pick_torch_threads(hf, prompts, sizes[0])
+    threads = fastest_torch_threads(lambda: hf_embed(hf, prompts[:sizes[0]], sizes[0]))
     rows, best = [], float("inf")
     for b in sizes:
         start = time.perf_counter()

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_common import (Workload, dummy_hf_checkpoint, find_stories, make_engine, make_workload,
-                          markdown_table, run_engine, stories_hf_checkpoint, write_result)
+from bench_common import (Workload, dummy_hf_checkpoint, fastest_torch_threads, find_stories,
+                          make_engine, make_workload, markdown_table, run_engine,
+                          stories_hf_checkpoint, write_result)
 
 # Buckets from 1 (CPU tuning, as in configs/engine/cpu-*.yaml): the last one or two requests of
 # a run no longer pay for 8 padded rows in every matmul (~7% on the dummy model's mixed run).
@@ -87,19 +88,10 @@ def workloads(args: argparse.Namespace, vocab: int, seed: int) -> list[Workload]
 def pick_torch_threads(model: Any, batch_size: int, vocab: int) -> int:
     import torch
 
-    best, best_s = 1, float("inf")
     ids = torch.randint(3, vocab, (batch_size, 32))
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        with torch.no_grad():
-            start = time.perf_counter()
-            model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-            seconds = time.perf_counter() - start
-        if seconds < best_s:
-            best, best_s = threads, seconds
-    torch.set_num_threads(best)
-    return best
+    return fastest_torch_threads(lambda: model.generate(
+        ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None,
+        pad_token_id=0))
 
 
 def hf_static(model: Any, w: Workload, batch_size: int) -> HFResult:
