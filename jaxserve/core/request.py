@@ -56,7 +56,7 @@ class Request:
     Request(request_id=..., prompt_token_ids=..., sampling_params=..., arrival_time=...,
             block_size=cache_block_size, hash_seed=kv_cache_manager.root_hash,
             priority=0, cache_salt=None, max_tokens=2**31 - 1, seed=0,
-            group_id=None, kv_transfer=None)
+            group_id=None, kv_transfer=None, stop_token_set=None)
 
     `all_token_ids` and `block_hashes` are derived (not constructor arguments) and kept current
     by `append_output_token_ids`; `block_hashes` holds the chained hash of every full block.
@@ -85,6 +85,9 @@ class Request:
     seed: int = 0  # the sampler's per-request seed
     group_id: str | None = None  # the parent request of n > 1 samples, which share the prompt
     kv_transfer: KVTransfer | None = None
+    # sampling_params.stop_token_ids as a set (None: built here); the input processor builds it
+    # once for all n samples of a request, which may carry millions of ids.
+    stop_token_set: Set[int] | None = None
     structured_output: Any = None  # StructuredOutputRequest: its grammar's matcher
     allowed_tokens_mask: Any = None  # i32[ceil(V / 32)]: allowed_token_ids as a bitmask row
     # Speculative decoding: verifications in a row that accepted no draft, and the scheduler
@@ -114,6 +117,9 @@ class Request:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
         self.block_hashes = []
         self._extend_block_hashes()
+        if self.stop_token_set is None:
+            self.stop_token_set = frozenset(getattr(self.sampling_params, "stop_token_ids", None)
+                                            or ())
 
     @property
     def num_tokens(self) -> int:
@@ -159,7 +165,7 @@ class Request:
             return None
         if token in eos_token_ids and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token in params.stop_token_ids:
+        if token in self.stop_token_set:
             self.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         return None

@@ -32,6 +32,8 @@ def refuse_lora(lora_request: object | None) -> None:
                          "this engine serves only its base model")
 
 
+_GIL_SLICE = 1 << 16  # list items one C call may scan while the GIL is held
+
 NO_TOKENIZER = ("prompt: this model has no tokenizer (its checkpoint carries none: a GGUF without "
                 "tokenizer.ggml.* metadata, a llama2.c .bin without tok*.bin beside it); pass "
                 "tokenizer= (an HF tokenizer directory, a GGUF or a llama2.c tokenizer file) or "
@@ -114,14 +116,14 @@ class InputProcessor:
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
                    for t in token_ids):
             raise ValueError("prompt_token_ids must be integers")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt length {len(token_ids)} must be less than max_model_len "
+                             f"({self.max_model_len})")
         low, high = min(token_ids), max(token_ids)
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt length {len(token_ids)} must be less than max_model_len "
-                             f"({self.max_model_len})")
 
     def check_params(self, params: object) -> None:
         """The engine's limits on sampling parameters (their own ranges are checked when they
@@ -138,12 +140,6 @@ class InputProcessor:
                 whole = f" (the whole vocabulary, {self.vocab_size})" if asked == -1 else ""
                 raise ValueError(f"{name} must be <= max_logprobs ({self.max_logprobs}), got "
                                  f"{asked}{whole}")
-        # max() in C: AsyncLLM.generate calls this on the event loop, and a request may carry
-        # millions of stop ids.
-        if max(params.stop_token_ids, default=0) >= self.vocab_size:
-            bad = next(t for t in params.stop_token_ids if t >= self.vocab_size)
-            raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
         if params.structured_outputs is not None:
             self.structured_outputs().validate(params.structured_outputs)
         if params.allowed_token_ids is not None and not self.supports_structured_outputs:
@@ -154,6 +150,20 @@ class InputProcessor:
             if outside:
                 raise ValueError(f"{name}: {outside[0]} is outside the vocabulary "
                                  f"[0, {self.vocab_size})")
+
+    def stop_token_set(self, stop_token_ids: list[int]) -> set[int]:
+        """A request's stop ids as a set, checked against the vocabulary. Built a slice at a
+        time: a request may carry millions of ids, and one C call over all of them would hold
+        the GIL (and the server's event loop with it) for ~0.1 s."""
+        found: set[int] = set()
+        for start in range(0, len(stop_token_ids), _GIL_SLICE):
+            part = stop_token_ids[start:start + _GIL_SLICE]
+            if max(part) >= self.vocab_size:
+                bad = next(t for t in part if t >= self.vocab_size)
+                raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+            found.update(part)
+        return found
 
     def _num_logprobs(self, asked: int | None) -> int | None:
         """A request's logprobs or prompt_logprobs, -1 (the whole vocabulary) resolved."""
@@ -193,6 +203,7 @@ class InputProcessor:
                 raise ValueError("bad_words: this model has no tokenizer")
             params = params.with_bad_words_token_ids(
                 lambda word: self.tokenizer.encode(word, add_special_tokens=False))
+        stop_token_set = self.stop_token_set(params.stop_token_ids)
         text, token_ids = self.tokenize(prompt)
         token_ids = truncated(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         self.validate_token_ids(token_ids)
@@ -205,7 +216,8 @@ class InputProcessor:
                     arrival_time=arrival_time, block_size=self.block_size,
                     hash_seed=self.root_hash, priority=priority, cache_salt=cache_salt,
                     max_tokens=max_tokens, seed=request_seed(params, self.rng, i),
-                    group_id=request_id if params.n > 1 else None)
+                    group_id=request_id if params.n > 1 else None,
+                    stop_token_set=stop_token_set)
             for i in range(params.n)]
         if params.structured_outputs is not None:
             for request in requests:

@@ -96,6 +96,15 @@ def test_stop_token_ids_min_tokens_and_max_tokens(llm, llama):
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids == free_run[:first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_at)
+    # Hundreds of thousands of stop ids (the set is built a slice at a time, once for n).
+    unseen = next(t for t in range(1, 300) if t not in free_run)
+    many = [unseen] * 200_000 + [stop_at]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0.0, max_tokens=12, stop_token_ids=many, n=2), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [free_run[:first + 1]] * 2
+    with pytest.raises(ValueError, match=r"stop_token_ids: \d+ is outside the vocabulary"):
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+            stop_token_ids=many + [llm.llm_engine.input_processor.vocab_size]), use_tqdm=False)
     out = llm.generate({"prompt_token_ids": prompt},
                        SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 5

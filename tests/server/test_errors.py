@@ -58,6 +58,8 @@ def test_bad_requests_get_400_while_requests_in_flight_are_unaffected(served, of
         ({"prompt": "x", "logit_bias": {"the": 1.0}}, "logit_bias", "keys must be token ids"),
         ({"prompt": "x", "logit_bias": {"5": 500}}, "logit_bias", "biases in [-100, 100]"),
         ({"prompt": "x", "logit_bias": {"5000": 1}}, "logit_bias", "outside the vocabulary"),
+        ({"prompt": "x", "stop_token_ids": [5, 5000]}, "stop_token_ids",
+         "stop_token_ids: 5000 is outside the vocabulary"),
         ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
         ({"prompt": "x", "bad_words": [""]}, "bad_words", "non-blank strings"),
     ]

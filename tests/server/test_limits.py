@@ -138,7 +138,7 @@ def _health_while(served, path: str, body: bytes) -> tuple[httpx.Response, float
 # Large bodies whose handling stalled /health (issue 53). On the loaded 2-core dev host the
 # longest /health took 3.3-3.9 s of the request's 6.1-6.3 s (stop ids), 0.33-0.37 s of 1.1-1.2 s
 # (chat) and 26-52 s of 48-77 s (prompts) before their work left the event loop; after, 0.06 to
-# 0.15 s (most of it freeing the request's million objects as it ends): 1-8% of the request's.
+# 0.15 s: 1-8% of the request's.
 @pytest.mark.slow
 def test_health_answers_while_a_request_with_millions_of_stop_token_ids_is_served(served):
     ids = b"5," * (3_500_000 - 1) + b"5"
