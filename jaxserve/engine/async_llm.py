@@ -296,6 +296,13 @@ class AsyncLLM:
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await asyncio.wrap_future(self.call_in_engine(lambda engine: engine.wake_up(tags)))
 
+    async def collective_rpc(self, method: str | Callable[..., Any],
+                             timeout: float | None = None, args: tuple[Any, ...] = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """`LLM.collective_rpc`, on the engine thread between two steps."""
+        return await asyncio.wrap_future(self.call_in_engine(
+            lambda engine: engine.collective_rpc(method, timeout, args, kwargs)))
+
     async def is_sleeping(self) -> bool:
         return await asyncio.wrap_future(self.call_in_engine(LLMEngine.is_sleeping))
 

@@ -308,6 +308,16 @@ class EngineCore:
                                      else weights)
         self.reset_prefix_cache()  # idle: nothing holds a block, so it forgets every one
 
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
+                       args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                       ) -> list[Any]:
+        """vLLM's: `method` (a Worker method's name, or a function taking the worker first)
+        run on every rank's worker, between two steps; the results in rank order."""
+        if timeout is not None:
+            raise ValueError("timeout: the workers run in this process and are called "
+                             "synchronously; a timeout is not supported (pass None)")
+        return self.executor.collective_rpc(method, tuple(args), dict(kwargs or {}))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing reset) while a request holds blocks."""
         return all([s.kv.reset_prefix_cache() for s in self.schedulers])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from jaxserve.config import EngineConfig, ModelConfig
@@ -154,6 +154,11 @@ class LLMEngine:
 
     def update_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
         self.core.update_weights(weights)
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
+                       args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                       ) -> list[Any]:
+        return self.core.collective_rpc(method, timeout, args, kwargs)
 
 
 def _no_prompt_logprobs(config: EngineConfig) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Sequence
 
 import numpy as np
@@ -76,6 +76,14 @@ class LLM:
         pairs, numpy or jax arrays, any part of the model's) over the model's, as an RL
         trainer syncs them into vLLM (`model.load_weights`); with no request unfinished."""
         self.engine.update_weights(weights)
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
+                       args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                       ) -> list[Any]:
+        """vLLM's: `method` run on every worker (one per data-parallel rank), a Worker method
+        by name or a function called as `method(worker, *args, **kwargs)` (the RL pattern: a
+        trainer's function that reaches `worker.runner`); the results in rank order."""
+        return self.engine.collective_rpc(method, timeout, args, kwargs)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

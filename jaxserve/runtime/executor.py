@@ -4,8 +4,8 @@ model runner. A step launches every rank before waiting for any, so ranks run co
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -20,6 +20,8 @@ from jaxserve.placement.mesh import initialize_distributed, rank_meshes
 from jaxserve.programs.draft_model import load_draft
 from jaxserve.runtime.model_runner import PendingStep, UnexpectedCompilationError
 from jaxserve.runtime.worker import SLEEP_TAGS, BuiltWorker, Worker, restores_sharded
+
+T = TypeVar("T")
 
 
 class Executor:
@@ -123,6 +125,19 @@ class Executor:
         parts = hf_param_parts(self.worker.loaded.config, weights)
         for w in self.workers:
             w.update_weights(parts)
+
+    def collective_rpc(self, method: str | Callable[..., T], args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> list[T]:
+        """vLLM's: `method` called on every rank's worker, a Worker method by name or a
+        function taking the worker first; their results in rank order."""
+        if isinstance(method, str):
+            if method.startswith("_") or not callable(getattr(Worker, method, None)):
+                raise ValueError(f"method: the worker has no public method {method!r}")
+            return [getattr(w, method)(*args, **kwargs) for w in self.workers]
+        if not callable(method):
+            raise ValueError(f"method must be a worker method's name or a callable, got "
+                             f"{method!r}")
+        return [method(w, *args, **kwargs) for w in self.workers]
 
 
 __all__ = ["SLEEP_TAGS", "Executor", "PendingStep", "UnexpectedCompilationError",

@@ -129,12 +129,27 @@ def test_updated_weights_give_the_tokens_of_an_engine_on_them(engine, checkpoint
     assert tokens(llm) == expected
 
 
+def test_collective_rpc_calls_every_worker(engine):
+    llm, expected = engine
+    assert llm.collective_rpc(lambda worker, tag: worker.held_bytes[tag],
+                              args=("weights",)) == [llm.stats().weight_bytes]
+    assert llm.collective_rpc("fingerprint") == [llm.engine.core.executor.worker.fingerprint()]
+    for bad, words in ((dict(method="held_bytes"), "no public method 'held_bytes'"),
+                       (dict(method="_read_compiled"), "no public method"),
+                       (dict(method=5), "method must be a worker method's name or a callable"),
+                       (dict(method="fingerprint", timeout=5.0), "timeout: ")):
+        with pytest.raises(ValueError, match=words):
+            llm.collective_rpc(**bad)
+    assert tokens(llm) == expected
+
+
 def test_async_llm_sleeps_and_wakes_up(engine):
     """Last: the engine's thread becomes its only user."""
     llm, expected = engine
     async_llm = AsyncLLM.from_engine(llm.engine)
 
     async def run() -> list[int]:
+        assert await async_llm.collective_rpc(lambda worker: worker.sleep_level) == [0]
         await async_llm.sleep(level=1)
         assert await async_llm.is_sleeping()
         await async_llm.wake_up()
