@@ -58,6 +58,23 @@ def test_embeddings_through_the_openai_client(pooling_server, qwen3):
     np.testing.assert_allclose(floats, got.data[0].embedding, atol=1e-6)
 
 
+def test_a_conversation_is_embedded_through_the_chat_template(pooling_server, qwen3):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Once upon a time"}]
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3))
+    for ask_reply in (False, True):  # vLLM's default: no generation prompt
+        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=ask_reply,
+                                                 tokenize=True)["input_ids"])
+        got = httpx.post(f"{pooling_server.url}/v1/embeddings", headers=pooling_server.headers,
+                         json={"messages": messages, "add_generation_prompt": ask_reply,
+                               **({} if ask_reply else {"encoding_format": "float"})}).json()
+        assert got["usage"]["prompt_tokens"] == len(ids)
+        np.testing.assert_allclose(got["data"][0]["embedding"], hf_embedding(qwen3, ids),
+                                   atol=2e-5)
+
+
 @pytest.mark.parametrize("body, field", [
     ({"input": []}, "input"),
     ({"input": [1, "a"]}, "input"),
@@ -66,6 +83,10 @@ def test_embeddings_through_the_openai_client(pooling_server, qwen3):
     ({"input": [1, 2], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"input": [1] * 200}, "input"),
     ({"input": [1, 2], "model": "other"}, "model"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ x }}"},
+     "chat_template"),
+    ({"messages": [{"role": "user", "content": "a " * 300}]}, "messages"),
 ])
 def test_bad_embedding_bodies_name_the_field(pooling_server, body, field):
     r = httpx.post(f"{pooling_server.url}/v1/embeddings", headers=pooling_server.headers,

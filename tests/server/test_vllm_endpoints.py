@@ -87,6 +87,9 @@ def test_tokenize_and_detokenize_round_trip(served):
 
         refused = http.post("/tokenize", json={"messages": MESSAGES, "chat_template": "x"})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+        for body, field in (({"prompt": 5}, "prompt"), ({"messages": "hi"}, "messages")):
+            error = http.post("/tokenize", json=body).json()["error"]  # one member's error
+            assert error["param"] == field and "more problem" not in error["message"], error
         bad = http.post("/detokenize", json={"tokens": [10**6]})
         assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"][
             "message"]

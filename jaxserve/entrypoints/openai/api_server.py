@@ -28,8 +28,9 @@ from jaxserve.entrypoints.openai import API_KEY_ENV
 from jaxserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                   CompletionRequest, CompletionResponse,
                                                   DetokenizeRequest, DetokenizeResponse,
-                                                  EmbeddingRequest, EmbeddingResponse,
-                                                  ModelCard, ModelList, TokenizeChatRequest,
+                                                  EmbeddingChatRequest, EmbeddingRequest,
+                                                  EmbeddingResponse, ModelCard, ModelList,
+                                                  TokenizeChatRequest,
                                                   TokenizeCompletionRequest, TokenizeResponse,
                                                   VersionResponse)
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -159,7 +160,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
         return await cancel_on_disconnect(raw, chat.create(req))
 
     @app.post("/v1/embeddings", responses=body_errors)
-    async def create_embedding(req: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
+    async def create_embedding(req: EmbeddingRequest | EmbeddingChatRequest, raw: Request,
+                               ) -> EmbeddingResponse:
         return await cancel_on_disconnect(raw, embedding.create(req))
 
     either = {"anyOf": [{"$ref": "#/components/schemas/CompletionRequest"},

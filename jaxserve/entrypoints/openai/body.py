@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import email.message
 import json
+import types
+import typing
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -58,7 +60,7 @@ class ParsedBodyRoute(APIRoute):
         handler = super().get_route_handler()
         if self.body_field is None:
             return handler
-        validate = TypeAdapter(self.body_field.field_info.annotation).validate_python
+        validate = _validator(self.body_field.field_info.annotation)
 
         async def parsed(request: Request) -> Response:
             body = await request.body()
@@ -104,6 +106,20 @@ def _then(first: BackgroundTask | None, second: BackgroundTask) -> BackgroundTas
     tasks = BackgroundTasks()
     tasks.tasks.extend([first, second])
     return tasks
+
+
+def _validator(annotation: Any) -> Callable[[Any], Any]:
+    """The body's validation. A union of a prompt body and a messages body (/tokenize,
+    /v1/embeddings) is validated as the member the body's "messages" key picks: as a plain
+    union, pydantic reports every member's errors, each under its class name."""
+    members = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else ()
+    chats = [m for m in members if "messages" in getattr(m, "model_fields", {})]
+    if len(members) != 2 or len(chats) != 1:
+        return TypeAdapter(annotation).validate_python
+    chat = TypeAdapter(chats[0]).validate_python
+    prompt = TypeAdapter(next(m for m in members if m is not chats[0])).validate_python
+    return lambda value: (chat if isinstance(value, dict) and "messages" in value
+                          else prompt)(value)
 
 
 class _ParsedRequest(Request):

@@ -224,20 +224,24 @@ class TokenizeCompletionRequest(APIRequest):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(APIRequest):
+class ChatTemplateRequest(APIRequest):
+    """A body of messages rendered through the chat template to token ids (not a chat
+    completion: /tokenize, /v1/embeddings)."""
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        name: ChatCompletionRequest.UNSUPPORTED[name] for name in (
+            "add_special_tokens", "chat_template", "mm_processor_kwargs")}
     messages: list[Annotated[ChatMessage, Item]]
     add_generation_prompt: bool = True
-    return_token_strs: bool = False
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        name: ChatCompletionRequest.UNSUPPORTED[name] for name in (
-            "add_special_tokens", "chat_template", "mm_processor_kwargs")}
+
+class TokenizeChatRequest(ChatTemplateRequest):
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(APIRequest):
@@ -409,19 +413,31 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class EmbeddingRequest(APIRequest):
-    """`POST /v1/embeddings` (OpenAI's, with vLLM's extensions after the blank line)."""
+class EmbeddingFields(APIRequest):
+    """What both kinds of `POST /v1/embeddings` body have (OpenAI's, then vLLM's)."""
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {"dimensions": (None,)}
-    input: Annotated[Prompts, _prompts("input")]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
 
     truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
     normalize: bool | None = None
     priority: int = 0
     request_id: str | None = None
+
+
+class EmbeddingRequest(EmbeddingFields):
+    """`POST /v1/embeddings` of one or more inputs (text or token ids)."""
+    input: Annotated[Prompts, _prompts("input")]
+    add_special_tokens: bool = True
+
+
+class EmbeddingChatRequest(ChatTemplateRequest, EmbeddingFields):
+    """`POST /v1/embeddings` of one conversation through the chat template (vLLM's); no
+    generation prompt unless asked."""
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = (ChatTemplateRequest.UNSUPPORTED
+                                                         | EmbeddingFields.UNSUPPORTED)
+    add_generation_prompt: bool = False
 
 
 class EmbeddingData(BaseModel):

@@ -17,8 +17,8 @@ from jaxserve.engine.input_processor import truncated
 from jaxserve.entrypoints.openai.errors import APIError, bad_request
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import (APIRequest, ChatCompletionRequest,
-                                                  ChoicesResponse, EmbeddingRequest, Prompts,
-                                                  SamplingRequest, TokenizeChatRequest,
+                                                  ChatTemplateRequest, ChoicesResponse,
+                                                  EmbeddingFields, Prompts, SamplingRequest,
                                                   UsageInfo)
 from jaxserve.entrypoints.openai.structured import structured_outputs_of
 from jaxserve.models.chat_template import template_variables, text_content
@@ -103,7 +103,7 @@ class OpenAIServing:
         self.check_chars(text, param)
         return self.tokenizer.encode(text, add_special_tokens)
 
-    def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest,
+    def render_chat(self, req: ChatCompletionRequest | ChatTemplateRequest,
                           tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The request's messages' token ids through the tokenizer's chat template, with its
         add_generation_prompt, continue_final_message and chat_template_kwargs."""
@@ -167,7 +167,7 @@ class OpenAIServing:
                 prompts.append({"prompt_token_ids": fit(list(item))})
         return prompts
 
-    def fit(self, token_ids: list[int], req: SamplingRequest | EmbeddingRequest, param: str,
+    def fit(self, token_ids: list[int], req: SamplingRequest | EmbeddingFields, param: str,
             max_tokens: int | None) -> list[int]:
         """The prompt as the engine will see it (truncate_prompt_tokens applied), checked to
         fit the context with `max_tokens`."""

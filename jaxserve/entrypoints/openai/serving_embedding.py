@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from jaxserve.entrypoints.openai.errors import APIError, bad_request
-from jaxserve.entrypoints.openai.protocol import (EmbeddingData, EmbeddingRequest,
-                                                  EmbeddingResponse)
+from jaxserve.entrypoints.openai.protocol import (EmbeddingChatRequest, EmbeddingData,
+                                                  EmbeddingRequest, EmbeddingResponse)
 from jaxserve.entrypoints.openai.serving_common import OpenAIServing, usage
 from jaxserve.outputs import PoolingRequestOutput
 from jaxserve.pooling_params import PoolingParams
@@ -22,7 +22,7 @@ _POOLING_FIELDS = ("input", "truncate_prompt_tokens", "normalize", "dimensions",
 
 
 class OpenAIServingEmbedding(OpenAIServing):
-    async def create(self, req: EmbeddingRequest) -> EmbeddingResponse:
+    async def create(self, req: EmbeddingRequest | EmbeddingChatRequest) -> EmbeddingResponse:
         self.check_request(req)
         if not self.llm.engine.pooling:
             raise APIError(400, "input: this server's model generates text; embeddings need "
@@ -32,9 +32,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                                    normalize=req.normalize)
         except ValueError as exc:
             raise bad_request(exc, fields=_POOLING_FIELDS) from None
-        prompts = await asyncio.to_thread(self.tokenized_prompts, req.input, "input",
-                                          req.add_special_tokens,
-                                          lambda ids: self.fit(ids, req, "input", None))
+        prompts = await asyncio.to_thread(self._prompts, req)
         request_id = f"embd-{req.request_id or uuid.uuid4().hex}"
         outs = await asyncio.gather(*(self._embed(p, params, f"{request_id}-{i}", req.priority)
                                       for i, p in enumerate(prompts)), return_exceptions=True)
@@ -51,6 +49,12 @@ class OpenAIServingEmbedding(OpenAIServing):
                                                             req.encoding_format))
                   for i, out in enumerate(outs)],
             usage=usage(num_tokens, 0))
+
+    def _prompts(self, req: EmbeddingRequest | EmbeddingChatRequest) -> list[dict[str, Any]]:
+        if isinstance(req, EmbeddingChatRequest):
+            return [{"prompt_token_ids": self.fit(self.render_chat(req), req, "messages", None)}]
+        return self.tokenized_prompts(req.input, "input", req.add_special_tokens,
+                                      lambda ids: self.fit(ids, req, "input", None))
 
     async def _embed(self, prompt: dict[str, Any], params: PoolingParams, request_id: str,
                      priority: int) -> PoolingRequestOutput:
