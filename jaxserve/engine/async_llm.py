@@ -25,8 +25,8 @@ from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.input_processor import PromptType, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.models.tokenizer import Tokenizer
-from jaxserve.outputs import (CompletionOutput, PoolingRequestOutput, RequestMetrics,
-                              RequestOutput, accumulate)
+from jaxserve.outputs import (CompletionOutput, PoolingOutput, PoolingRequestOutput,
+                              RequestMetrics, RequestOutput, accumulate)
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -454,7 +454,12 @@ def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
         q.put_nowait(payload)
 
 
-def _aborted_output(state: Any) -> RequestOutput:  # state: output_processor.RequestState
+def _aborted_output(state: Any) -> RequestOutput | PoolingRequestOutput:
+    """The final output of an aborted request (state: output_processor.RequestState)."""
+    if state.pooling is not None:  # nothing pooled
+        return PoolingRequestOutput(state.request_id, PoolingOutput(None),
+                                    state.prompt_token_ids, True, state.prompt,
+                                    state.num_cached_tokens)
     comps = [CompletionOutput(s.completion.index, "", [], s.completion.cumulative_logprob,
                               None if s.completion.logprobs is None else [],
                               s.completion.finish_reason or "abort", s.completion.stop_reason)

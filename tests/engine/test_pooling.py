@@ -120,3 +120,35 @@ def test_a_generating_engine_refuses_pooling(qwen3, compile_cache_dir):
         llm.engine.add_request("x", [1, 2, 3], PoolingParams())
     with pytest.raises(ValueError, match="runner='pooling'"):
         llm.embed([1, 2, 3])
+
+
+def test_an_aborted_async_embedding_ends_with_a_pooling_output(llm):
+    """Last: the engine's thread becomes its only user."""
+    import asyncio
+
+    from jaxserve import AsyncLLM
+    from jaxserve.outputs import PoolingRequestOutput
+
+    async_llm = AsyncLLM.from_engine(llm.engine)
+
+    async def embed(i: int, prompt: list[int]):
+        async for out in async_llm.encode(prompt, request_id=f"e{i}"):
+            return out
+
+    async def run() -> list:
+        # Twenty 90-token prompts at 32 tokens a step: the last is far from done when aborted.
+        tasks = [asyncio.create_task(embed(i, PROMPTS[4])) for i in range(20)]
+        while "e19" not in llm.engine.output_processor.states:
+            await asyncio.sleep(0.001)
+        await async_llm.abort("e19")
+        return await asyncio.gather(*tasks)
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        async_llm.shutdown()
+    aborted = outs[-1]
+    assert isinstance(aborted, PoolingRequestOutput) and aborted.finished
+    assert aborted.outputs.data is None and aborted.prompt_token_ids == PROMPTS[4]
+    assert all(out.outputs.data is not None for out in outs[:-1])
+    assert_no_leaks(llm.engine)
