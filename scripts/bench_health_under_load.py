@@ -1,5 +1,6 @@
 """How long `/health` takes while `jaxserve serve` handles one very large request (issue 53):
-3.5M stop_token_ids, a chat of 270k messages, 2M prompts. The server runs in its own process,
+3.5M stop_token_ids, a chat of 270k messages, 2M prompts, one prompt of 5M token ids; and, for
+the host's own noise, none. The server runs in its own process,
 as deployed (its garbage collector on); this process sends the request from a thread and asks
 /health every 5 ms until the request is answered. Writes results/bench_health_under_load.md.
 
@@ -31,15 +32,26 @@ BODIES = {
                             + b", ".join([MESSAGE] * 270_000) + b"]}"),
     "completion, 2M prompts": ("completions", b'{"max_tokens": 2, "prompt": ['
                                + b"[5]," * (2_000_000 - 1) + b"[5]]}"),
+    "completion, one prompt of 5M token ids": ("completions", b'{"max_tokens": 1, "prompt": ['
+                                               + b"5," * (5 * 2**20 - 20) + b"5]}"),
+    # The host's own noise: /health with no request in flight, for as long as one takes.
+    "none (idle server, 3 s)": (None, b""),
 }
 
 
-def health_while(base: str, path: str, body: bytes) -> tuple[int, float, float]:
+def health_while(base: str, path: str | None, body: bytes) -> tuple[int | None, float, float]:
     """(the request's status, its seconds, the longest /health meanwhile)."""
-    results: list[httpx.Response] = []
-    post = threading.Thread(target=lambda: results.append(httpx.post(
-        f"{base}/v1/{path}", content=body, timeout=300,
-        headers={"Content-Type": "application/json"})))
+    statuses: list[int | None] = []
+
+    def send() -> None:
+        if path is None:
+            time.sleep(3)
+            statuses.append(None)
+        else:
+            statuses.append(httpx.post(f"{base}/v1/{path}", content=body, timeout=300,
+                                       headers={"Content-Type": "application/json"}).status_code)
+
+    post = threading.Thread(target=send)
     worst = 0.0
     start = time.monotonic()
     post.start()
@@ -50,7 +62,7 @@ def health_while(base: str, path: str, body: bytes) -> tuple[int, float, float]:
             worst = max(worst, time.monotonic() - asked)
             time.sleep(0.005)
     post.join()
-    return results[0].status_code, time.monotonic() - start, worst
+    return statuses[0], time.monotonic() - start, worst
 
 
 def main() -> None:
