@@ -167,3 +167,21 @@ def test_logged_requests_show_their_prompt_cut_to_max_log_len(served, caplog):
     assert resp.status_code == 200
     (line,) = [r.getMessage() for r in caplog.records if "prompt " in r.getMessage()]
     assert "prompt 'Once u'," in line and "max_tokens=2" in line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jaxserve.entrypoints.openai.serving_common"):
+        resp = client.post("/v1/completions", json={"model": "m", "prompt": "Once",
+                                                    "max_tokens": 2,
+                                                    "stop_token_ids": [7] * 100_000})
+    assert resp.status_code == 200
+    (line,) = [r.getMessage() for r in caplog.records if "prompt " in r.getMessage()]
+    assert "stop_token_ids=[7, 7, 7, 7, 7, 7, ...] (100000 in all)" in line and len(line) < 2000
+
+
+def test_logged_params_show_every_field_and_cut_long_ones():
+    from jaxserve.entrypoints.openai.serving_common import LOGGED_ITEMS, logged_params
+    from jaxserve.sampling_params import SamplingParams
+
+    params = SamplingParams(stop_token_ids=list(range(500)), logit_bias={5: 1.0}, seed=3)
+    assert logged_params(params, None) == repr(params).replace(
+        repr(list(range(500))), f"{list(range(LOGGED_ITEMS))}"[:-1] + ", ...] (500 in all)")
+    assert repr(params) == logged_params(params, 500)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -25,6 +27,7 @@ from jaxserve.models.chat_template import template_variables, text_content
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
+LOGGED_ITEMS = 100  # of a list or dict parameter in the request log without --max-log-len
 logger = logging.getLogger(__name__)
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -230,7 +233,7 @@ class OpenAIServing:
             for i, p in enumerate(prompts):
                 logger.info("request %s-%d: prompt %r, prompt_token_ids %s, params %s",
                             request_id, i, (p.get("prompt") or "")[:cut],
-                            (p.get("prompt_token_ids") or [])[:cut], params)
+                            (p.get("prompt_token_ids") or [])[:cut], logged_params(params, cut))
         gens = [self.llm.generate(p, params, f"{request_id}-{i}", priority=req.priority,
                                   cache_salt=req.cache_salt) for i, p in enumerate(prompts)]
         try:
@@ -326,6 +329,22 @@ async def merge(gens: list[AsyncIterator[RequestOutput]],
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def logged_params(params: SamplingParams, cut: int | None) -> str:
+    """`params` as the request log shows them: a list or dict field cut to `cut` items (to
+    LOGGED_ITEMS without --max-log-len). A request may carry millions of stop ids: its whole
+    repr took seconds on the event loop."""
+    limit = LOGGED_ITEMS if cut is None else cut
+    shown = []
+    for field in dataclasses.fields(params):
+        value = getattr(params, field.name)
+        text = repr(value)
+        if isinstance(value, (list, tuple, dict)) and len(value) > limit:
+            head = itertools.islice(value.items() if isinstance(value, dict) else value, limit)
+            text = f"[{', '.join(map(repr, head))}, ...] ({len(value)} in all)"
+        shown.append(f"{field.name}={text}")
+    return f"SamplingParams({', '.join(shown)})"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
