@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.arg_utils import DEFAULT_MAX_QUEUED_REQUESTS, AsyncEngineArgs
+from jaxserve.engine.core import EngineDeadError
 from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.input_processor import PromptType, refuse_lora
 from jaxserve.engine.llm_engine import LLMEngine
@@ -36,10 +37,6 @@ _IDLE_WAIT_S = 0.01  # a stalled schedule (nothing admitted, nothing running) po
 
 class EngineQueueFullError(RuntimeError):
     """Too many requests are already waiting for the engine; retry later (HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (shut down, or a step lost the device state)."""
 
 
 class EngineStepError(RuntimeError):

@@ -55,6 +55,11 @@ class DeviceStateLostError(RuntimeError):
     """A step failed and took the device state with it: the engine cannot go on."""
 
 
+class EngineDeadError(RuntimeError):
+    """The engine has stopped (shut down, or a step lost the device state or compiled when
+    strict_compile forbade it); start a new one."""
+
+
 @dataclass(slots=True)
 class InFlight:
     """A launched step: every rank's schedule and pending device work (or what failed)."""
@@ -99,6 +104,8 @@ class EngineCore:
         self._last_step_end: float | None = None
         self._launched_prefill = False  # the last step launched computed prompt tokens
         self.num_steps = 0
+        # What stopped the engine: its requests are stranded mid-step, so it takes no more work.
+        self.stopped_by: Exception | None = None
         self.timings = StepTimings()  # schedule and update; the runners time their phases
         self._in_flight: InFlight | None = None
         warm = config.runner.precompile or config.runner.compiled_dir is not None
@@ -117,6 +124,7 @@ class EngineCore:
         return self.schedulers[0].kv.root_hash  # equal on every rank: one hash seed
 
     def add_request(self, request: Request) -> None:
+        self._check_alive()
         if self.connector is not None:
             request.kv_transfer = KVTransfer.RECEIVE
         self.schedulers[self.router.route(request) if self.router else 0].add_request(request)
@@ -149,6 +157,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Launch a step and return the tokens of the step before it (with async scheduling) or
         of this one."""
+        self._check_alive()
         if self.spec_switch is None:
             return self._step()
         # Wall time from the end of the step before (the caller's work on its outputs
@@ -250,10 +259,12 @@ class EngineCore:
     def _fail_step(self, scheds: list[SchedulerOutput], exc: Exception,
                    ) -> list[EngineCoreOutput]:
         if isinstance(exc, UnexpectedCompilationError):
-            raise exc  # strict_compile asked for it: the deployment, not a request, is at fault
+            self.stopped_by = exc  # strict_compile: the deployment, not a request, is at fault
+            raise exc
         if self.executor.device_state_lost():
-            raise DeviceStateLostError(f"a step failed and the device state is lost: "
-                                       f"{type(exc).__name__}: {exc}") from exc
+            self.stopped_by = DeviceStateLostError(f"a step failed and the device state is "
+                                                   f"lost: {type(exc).__name__}: {exc}")
+            raise self.stopped_by from exc
         logger.exception("an engine step failed; its requests are failed, the engine goes on")
         error = f"the engine step failed: {type(exc).__name__}: {exc}"
         outputs = []
@@ -264,6 +275,11 @@ class EngineCore:
                 self._forget(req_id)
                 outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=error))
         return outputs
+
+    def _check_alive(self) -> None:
+        if self.stopped_by is not None:
+            raise EngineDeadError(f"the engine has stopped after {type(self.stopped_by).__name__}"
+                                  f": {self.stopped_by}; start a new one")
 
     def _needs_host_history(self) -> bool:
         """Whether a request with tokens in flight needs its history on the host (penalties,

@@ -72,6 +72,25 @@ def test_lost_device_state_stops_the_engine(engine, monkeypatch):
     engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
     with pytest.raises(DeviceStateLostError, match="device halted"):
         _drain(engine)
+    # Its requests are stranded mid-step: the engine takes no more work.
+    for call in (lambda: engine.step(),
+                 lambda: engine.add_request("next", {"prompt_token_ids": [5]}, GREEDY)):
+        with pytest.raises(EngineDeadError, match="stopped after DeviceStateLostError"):
+            call()
+
+
+def test_a_compile_that_strict_compile_forbids_stops_the_engine(engine, monkeypatch):
+    from jaxserve.runtime.model_runner import UnexpectedCompilationError
+
+    def dispatch(sched):  # noqa: ANN001, ANN202
+        raise UnexpectedCompilationError("step shape (999,) was not compiled at warm-up")
+
+    monkeypatch.setattr(engine.core.executor.worker.runner, "dispatch", dispatch)
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    with pytest.raises(UnexpectedCompilationError):
+        _drain(engine)
+    with pytest.raises(EngineDeadError, match="stopped after UnexpectedCompilationError"):
+        engine.add_request("next", {"prompt_token_ids": [5]}, GREEDY)
 
 
 def test_async_llm_reports_dead_when_device_state_is_lost(engine, monkeypatch):
