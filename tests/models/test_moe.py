@@ -22,13 +22,14 @@ def prompts_sharing_a_prefix() -> list[list[int]]:
     return prompts + [prompts[3][:20] + tail for tail in random_prompts(4, 5, 30, seed=12)]
 
 
-def generate(path, prompts: list[list[int]], **engine: object) -> list[list[int]]:
+def generate(path, prompts: list[list[int]], **engine: object) -> tuple[list[list[int]], int]:
+    """The greedy tokens of each prompt, and the prompt tokens the prefix cache served."""
     llm = LLM(str(path), **(SMALL_ENGINE | engine))
     # the CPU's loop over row tiles, not XLA's dense ragged dot
     assert llm.engine.core.executor.worker.model_config.grouped_matmul == "row_tiles"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert_no_leaks(llm.engine)
-    return [o.outputs[0].token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs], sum(o.num_cached_tokens for o in outs)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
@@ -37,8 +38,10 @@ def test_greedy_tokens_equal_hf_generate(hf_checkpoint, compile_cache_dir, kind)
     and async scheduling, on the default CPU backend."""
     path = hf_checkpoint(kind)
     prompts = prompts_sharing_a_prefix()
-    got = generate(path, prompts, compilation_cache_dir=compile_cache_dir,
-                   max_num_batched_tokens=32, token_buckets=[16, 32], async_scheduling=True)
+    got, cached = generate(path, prompts, compilation_cache_dir=compile_cache_dir,
+                           max_num_batched_tokens=32, token_buckets=[16, 32],
+                           async_scheduling=True)
+    assert cached >= 16  # a later prompt's first block came from the cache
     assert got == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
@@ -66,7 +69,7 @@ def test_greedy_tokens_equal_hf_on_other_backends_and_meshes(hf_checkpoint, comp
                                                              engine):
     path = hf_checkpoint("mixtral")
     prompts = random_prompts(6, 1, 40, seed=14)
-    got = generate(path, prompts, compilation_cache_dir=compile_cache_dir, **engine)
+    got, _ = generate(path, prompts, compilation_cache_dir=compile_cache_dir, **engine)
     assert got == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
