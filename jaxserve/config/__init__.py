@@ -60,8 +60,14 @@ class ModelConfig:
         return self.runner == "pooling"
 
     def logprobs_cap(self, vocab_size: int) -> int:
-        """The most logprobs a request may ask for: max_logprobs, -1 being the vocabulary."""
-        return vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        """The most logprobs a request may ask for: max_logprobs, resolved."""
+        return num_logprobs(self.max_logprobs, vocab_size)
+
+
+def num_logprobs(asked: int | None, vocab_size: int) -> int | None:
+    """A count of logprobs as vLLM takes it (max_logprobs, a request's logprobs or
+    prompt_logprobs), -1 (the whole vocabulary) resolved."""
+    return vocab_size if asked == -1 else asked
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, num_logprobs
 from jaxserve.inputs import PROMPT_KEYS
 from jaxserve.models.tokenizer import Tokenizer
 from jaxserve.core.request import Request
@@ -136,7 +136,7 @@ class InputProcessor:
             raise ValueError(f"prompt_logprobs is not supported {self.no_prompt_logprobs}")
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
-            if asked is not None and self._num_logprobs(asked) > self.max_logprobs:
+            if asked is not None and num_logprobs(asked, self.vocab_size) > self.max_logprobs:
                 whole = f" (the whole vocabulary, {self.vocab_size})" if asked == -1 else ""
                 raise ValueError(f"{name} must be <= max_logprobs ({self.max_logprobs}), got "
                                  f"{asked}{whole}")
@@ -165,10 +165,6 @@ class InputProcessor:
             found.update(part)
         return found
 
-    def _num_logprobs(self, asked: int | None) -> int | None:
-        """A request's logprobs or prompt_logprobs, -1 (the whole vocabulary) resolved."""
-        return self.vocab_size if asked == -1 else asked
-
     def structured_outputs(self) -> StructuredOutputManager:
         """The grammar manager, made on first use (any thread)."""
         if not self.supports_structured_outputs:
@@ -195,9 +191,9 @@ class InputProcessor:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         if -1 in (params.logprobs, params.prompt_logprobs):
-            params = dataclasses.replace(params, logprobs=self._num_logprobs(params.logprobs),
-                                         prompt_logprobs=self._num_logprobs(
-                                             params.prompt_logprobs))
+            params = dataclasses.replace(
+                params, logprobs=num_logprobs(params.logprobs, self.vocab_size),
+                prompt_logprobs=num_logprobs(params.prompt_logprobs, self.vocab_size))
         if params.bad_words:
             if self.tokenizer is None:
                 raise ValueError("bad_words: this model has no tokenizer")
