@@ -33,17 +33,32 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
+    """`sliding_window`: every layer attends over at most that many positions (Mistral,
+    Phi-3), so a request's blocks that no later query can see go back to the pool as it moves
+    on (the null block holds their place in its block table); a freed block keeps its hash and
+    stays hittable until evicted. `num_lookahead_tokens`: draft tokens a verification may
+    reject, moving the next query back by as many positions."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_seed: int | str | None = None) -> None:
+                 hash_seed: int | str | None = None, sliding_window: int | None = None,
+                 num_lookahead_tokens: int = 0) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(
+                sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got "
+                             f"{sliding_window!r}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.enable_caching = enable_caching
         self.root_hash: BlockHash = make_root_hash(hash_seed)
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Leading blocks of each request already passed through cache_blocks (or hit).
         self.num_cached_blocks: dict[str, int] = {}
+        # Leading blocks of each request given back as its window moved past them.
+        self.num_skipped_blocks: dict[str, int] = {}
         self.total_stats = PrefixCacheStats()  # since start: what Scheduler.stats reports
 
     @property
@@ -101,6 +116,7 @@ class KVCacheManager:
         num_new = self._blocks_to_take(request, num_new_tokens, new_computed_blocks)
         if num_new is None:
             return None
+        self._free_outside_window(request.request_id, request.num_computed_tokens)
         hits = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
         self.block_pool.touch(hits)
@@ -111,6 +127,7 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if hits:
             self.num_cached_blocks[request.request_id] = len(hits)
+            self._free_outside_window(request.request_id, len(hits) * self.block_size)
         return [block.block_id for block in hits] + [block.block_id for block in new_blocks]
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -127,7 +144,7 @@ class KVCacheManager:
         end = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
         for i in range(start, end):
             block = blocks[i]
-            if block.block_hash is None:
+            if block.block_hash is None and not block.is_null:
                 # False when an identical block computed in the same step was cached first:
                 # this copy then stays unhashed and is reused first once freed.
                 self.block_pool.cache_block(block, request.block_hashes[i])
@@ -136,10 +153,32 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         self.num_cached_blocks.pop(request.request_id, None)
+        skipped = self.num_skipped_blocks.pop(request.request_id, 0)
         blocks = self.req_to_blocks.pop(request.request_id, [])
         # Tail of the chain first: among blocks freed together, the ones ending this prompt are
         # evicted before the shared prefix that other prompts are likely to start with.
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(blocks[skipped:]))
+
+    def _window_span(self, request_id: str, num_computed_tokens: int) -> tuple[int, int]:
+        """The request's held blocks [start, end) before its window: its next query, at
+        position `num_computed_tokens` (less the drafts a verification may reject), sees
+        positions from `sliding_window` - 1 before it."""
+        start = self.num_skipped_blocks.get(request_id, 0)
+        if self.sliding_window is None:
+            return start, start
+        first_seen = num_computed_tokens - self.num_lookahead_tokens + 1 - self.sliding_window
+        end = min(max(0, first_seen) // self.block_size,
+                  len(self.req_to_blocks.get(request_id, [])))
+        return start, max(start, end)
+
+    def _free_outside_window(self, request_id: str, num_computed_tokens: int) -> None:
+        start, end = self._window_span(request_id, num_computed_tokens)
+        if end == start:
+            return
+        blocks = self.req_to_blocks[request_id]
+        self.block_pool.free_blocks(reversed(blocks[start:end]))
+        blocks[start:end] = [self.block_pool.null_block] * (end - start)
+        self.num_skipped_blocks[request_id] = end
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
@@ -167,8 +206,11 @@ class KVCacheManager:
         # A hit block nobody holds sits in the free queue: touching it takes it out of the pool
         # too (it is one of the free blocks, so it counts once).
         num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
-        return num_new if num_new + num_free_hits <= self.block_pool.get_num_free_blocks() \
-            else None
+        # Blocks the window gives back first, which no other request holds.
+        start, end = self._window_span(request.request_id, request.num_computed_tokens)
+        num_given_back = sum(1 for block in blocks[start:end] if block.ref_cnt == 1)
+        free = self.block_pool.get_num_free_blocks() + num_given_back
+        return num_new if num_new + num_free_hits <= free else None
 
     def _check_request(self, request: Request) -> None:
         if request.block_size != self.block_size:

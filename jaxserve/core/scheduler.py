@@ -47,13 +47,19 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  max_model_len: int, eos_token_ids: Iterable[int], hash_seed: int | None,
-                 connector: SchedulerKVConnector | None = None):
-        """`connector`: a side of disaggregated prefill/decode (core/scheduler_kv_connector.py)."""
+                 connector: SchedulerKVConnector | None = None,
+                 sliding_window: int | None = None):
+        """`connector`: a side of disaggregated prefill/decode (core/scheduler_kv_connector.py).
+        `sliding_window`: every layer's attention window, whose KV blocks are freed as requests
+        move past them (KVCacheManager)."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        spec = config.speculative_config
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                 hash_seed=hash_seed)
+                                 hash_seed=hash_seed, sliding_window=sliding_window,
+                                 num_lookahead_tokens=0 if spec is None
+                                 else spec.num_speculative_tokens)
         self.connector = connector
         if connector is not None:
             connector.bind(self.kv)
@@ -72,7 +78,6 @@ class Scheduler:
         # Structured outputs: requests failed before they ran (their grammar did not compile),
         # reported by the next update; the mask work is timed as its own phase.
         self._failed: list[EngineCoreOutput] = []
-        spec = config.speculative_config
         self.draft_policy = None if spec is None else DraftPolicy(spec, max_model_len)
         self.timings = StepTimings()
 

@@ -44,11 +44,25 @@ from jaxserve.engine.dp_router import DPRouter
 from jaxserve.engine.kv_connector import KVConnector
 from jaxserve.engine.spec_switch import SpeculationSwitch
 from jaxserve.engine.stats import EngineStats
+from jaxserve.models.llama_config import LlamaConfig
 from jaxserve.models.loaded_model import LoadedModel
 from jaxserve.runtime.executor import (SLEEP_TAGS, Executor, PendingStep,
                                        UnexpectedCompilationError)
 
 logger = logging.getLogger(__name__)
+
+
+def freed_window(config: EngineConfig, model: LlamaConfig) -> int | None:
+    """The attention window over which KV blocks are freed as requests move on: every layer's
+    (Mistral, Phi-3; not Gemma's mix of local and global layers), where no side reads a
+    request's earlier blocks (a disaggregated prefill side's are read whole; a draft model's
+    layers may see further)."""
+    windows = {kind.sliding_window for kind in model.layer_kinds}
+    spec = config.scheduler.speculative_config
+    if len(windows) != 1 or config.parallel.disaggregation is not None or (
+            spec is not None and spec.method == "draft_model"):
+        return None
+    return windows.pop()
 
 
 class DeviceStateLostError(RuntimeError):
@@ -96,7 +110,8 @@ class EngineCore:
             Scheduler(config.scheduler, config.cache, b.plan.num_kv_blocks, b.plan.max_model_len,
                       self.model_config.eos_token_ids,
                       hash_seed=config.model.seed if hash_seed is None else hash_seed,
-                      connector=None if role is None else role())
+                      connector=None if role is None else role(),
+                      sliding_window=freed_window(config, self.model_config))
             for b in built]
         # One rank has nothing to route: its requests are the ones its scheduler holds.
         self.router = DPRouter(self.schedulers) if len(self.schedulers) > 1 else None

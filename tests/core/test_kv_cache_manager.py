@@ -351,3 +351,48 @@ def test_request_rejects_bad_fields(field: str, value: object) -> None:
     kw[field] = value
     with pytest.raises(ValueError, match=field):
         Request(**kw)
+
+
+def decode(mgr: KVCacheManager, req: Request, steps: int) -> None:
+    """`steps` decode steps of one token each, as the scheduler runs them."""
+    for token in range(steps):
+        assert mgr.allocate_slots(req, 1) is not None
+        req.append_output_token_ids(100 + token)
+        req.num_computed_tokens += 1
+        mgr.cache_blocks(req, req.num_computed_tokens)
+
+
+def test_a_sliding_window_gives_back_the_blocks_its_queries_no_longer_see() -> None:
+    mgr = KVCacheManager(32, BS, sliding_window=6)
+    req = make_req(mgr, "a", list(range(10)))
+    admit(mgr, req)  # positions 0..9 in blocks 0..2
+    assert mgr.num_free_blocks == 31 - 3
+    decode(mgr, req, 1)  # the query at 10 sees 5..10: block 0 (0..3) is given back
+    ids = mgr.get_block_ids("a")
+    assert ids[0] == mgr.block_pool.null_block.block_id and len(ids) == 3
+    decode(mgr, req, 9)  # the query at 19 sees 14..19: blocks 0..2 given back
+    held = [b for b in mgr.req_to_blocks["a"] if not b.is_null]
+    assert len(mgr.get_block_ids("a")) == 5 and len(held) == 2
+    assert mgr.num_free_blocks == 31 - 2
+    # Blocks given back keep their hashes: the same prompt hits them while they last.
+    again = make_req(mgr, "b", list(range(10)))
+    hits, num_hit = mgr.get_computed_blocks(again)
+    assert num_hit == 8
+    assert mgr.allocate_slots(again, 2, hits) is not None  # the query at 8 sees 3..8
+    assert [b.is_null for b in mgr.req_to_blocks["b"]] == [False, False, False]
+    again.num_computed_tokens = 10
+    decode(mgr, again, 1)  # the query at 10 sees 5..10
+    assert [b.is_null for b in mgr.req_to_blocks["b"]] == [True, False, False]
+    mgr.free(req)
+    mgr.free(again)
+    assert mgr.num_free_blocks == 31 and not mgr.num_skipped_blocks
+
+
+def test_drafts_that_may_be_rejected_keep_their_window() -> None:
+    mgr = KVCacheManager(32, BS, sliding_window=6, num_lookahead_tokens=3)
+    req = make_req(mgr, "a", list(range(10)))
+    admit(mgr, req)
+    decode(mgr, req, 1)  # three drafts back, the query at 7 sees 2..7: block 0 is kept
+    assert not mgr.req_to_blocks["a"][0].is_null
+    decode(mgr, req, 3)  # the query at 10 sees 5..10
+    assert mgr.req_to_blocks["a"][0].is_null and not mgr.req_to_blocks["a"][1].is_null

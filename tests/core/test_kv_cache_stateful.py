@@ -201,3 +201,42 @@ KVCacheMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=60, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_kv_cache_manager_state_machine = KVCacheMachine.TestCase
+
+
+class WindowedKVCacheMachine(KVCacheMachine):
+    """The same, every layer attending over the last WINDOW positions: blocks before a
+    request's window go back to the pool, and every query still finds its whole window."""
+    WINDOW = 5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr = KVCacheManager(NUM_BLOCKS, BS, hash_seed=0, sliding_window=self.WINDOW)
+
+    def execute(self, scheduled: list[tuple[Request, int, int]]) -> None:
+        super().execute(scheduled)
+        for req, start, n in scheduled:
+            ids = self.mgr.get_block_ids(req.request_id)
+            for pos in range(start, start + n):
+                for seen in range(max(0, pos + 1 - self.WINDOW), pos + 1):
+                    block_id = ids[seen // BS]
+                    assert block_id != 0, (req.request_id, pos, seen)
+                    assert self.kv[block_id][seen % BS] == slot_key(req, seen)
+
+    @invariant()
+    def ref_counts_match_holders(self) -> None:
+        counts = [0] * NUM_BLOCKS
+        for req in self.live():
+            ids = self.mgr.get_block_ids(req.request_id)
+            held = self.held.get(req.request_id, [])
+            skipped = next((i for i, block_id in enumerate(ids) if block_id), len(ids))
+            assert ids[skipped:] == held[skipped:] and 0 not in ids[skipped:]
+            assert len(ids) == len(held) == -(-req.num_computed_tokens // BS)
+            assert skipped * BS <= max(0, req.num_computed_tokens + 1 - self.WINDOW)
+            for block_id in ids[skipped:]:
+                counts[block_id] += 1
+        assert set(self.mgr.req_to_blocks) <= {r.request_id for r in self.live()}
+        assert [b.ref_cnt for b in self.mgr.block_pool.blocks] == counts
+
+
+WindowedKVCacheMachine.TestCase.settings = KVCacheMachine.TestCase.settings
+test_windowed_kv_cache_manager_state_machine = WindowedKVCacheMachine.TestCase
