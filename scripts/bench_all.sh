@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 BENCHES=(bench_real_model bench_throughput_vs_hf bench_prefix_caching bench_chunked_prefill bench_mixed_batching
          bench_spec_decode bench_embeddings bench_health_under_load bench_host_overhead bench_decode_roofline bench_compile_check
-         bench_startup bench_gguf_dequant)
+         bench_startup bench_gguf_dequant bench_sliding_window_kv)
 SKIP=" ${*:-} "
 for bench in "${BENCHES[@]}"; do
   if [[ "$SKIP" == *" $bench "* ]]; then

@@ -96,6 +96,8 @@ class SchedulerConfig:
     # Schedule and launch step N+1 while step N runs; its decode inputs come from N's sampled
     # ids on the device. Tokens are the same either way (docs in jaxserve/engine/core.py).
     async_scheduling: bool = True
+    # vLLM's: every layer keeps every token's KV, sliding-window layers too (for comparison)
+    disable_hybrid_kv_cache_manager: bool = False
     # Speculative decoding (vLLM's): a mapping or JSON text, validated into a
     # SpeculativeConfig. With async scheduling the next step runs ahead of a drafting step as
     # if it accepts every draft, and the device corrects it (programs/spec_verify.py).

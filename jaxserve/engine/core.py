@@ -54,13 +54,14 @@ logger = logging.getLogger(__name__)
 
 def freed_window(config: EngineConfig, model: LlamaConfig) -> int | None:
     """The attention window over which KV blocks are freed as requests move on: every layer's
-    (Mistral, Phi-3; not Gemma's mix of local and global layers), where no side reads a
-    request's earlier blocks (a disaggregated prefill side's are read whole; a draft model's
-    layers may see further)."""
+    (Mistral, Phi-3; not Gemma's mix of local and global layers), unless a draft model's
+    layers may see further, disaggregated prefill/decode moves blocks whole, or
+    disable_hybrid_kv_cache_manager keeps them."""
     windows = {kind.sliding_window for kind in model.layer_kinds}
     spec = config.scheduler.speculative_config
     if len(windows) != 1 or config.parallel.disaggregation is not None or (
-            spec is not None and spec.method == "draft_model"):
+            spec is not None and spec.method == "draft_model") or \
+            config.scheduler.disable_hybrid_kv_cache_manager:
         return None
     return windows.pop()
 
@@ -111,7 +112,9 @@ class EngineCore:
                       self.model_config.eos_token_ids,
                       hash_seed=config.model.seed if hash_seed is None else hash_seed,
                       connector=None if role is None else role(),
-                      sliding_window=freed_window(config, self.model_config))
+                      # a side of disaggregated prefill/decode sends or receives blocks whole
+                      sliding_window=None if role is not None
+                      else freed_window(config, self.model_config))
             for b in built]
         # One rank has nothing to route: its requests are the ones its scheduler holds.
         self.router = DPRouter(self.schedulers) if len(self.schedulers) > 1 else None

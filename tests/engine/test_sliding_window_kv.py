@@ -68,3 +68,6 @@ def test_a_mixed_or_disaggregated_model_keeps_every_block(hf_checkpoint):
         "method": "draft_model", "model": str(hf_checkpoint("phi3")),
         "num_speculative_tokens": 2})
     assert freed_window(drafted, phi3) is None
+    kept = EngineConfig.from_kwargs(model=str(hf_checkpoint("phi3")),
+                                    disable_hybrid_kv_cache_manager=True)
+    assert freed_window(kept, phi3) is None

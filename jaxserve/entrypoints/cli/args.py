@@ -61,6 +61,9 @@ HELP = {
     "enable_mixed_batching": "put prefills and decodes in one step (off: V0-style steps of "
                              "one kind)",
     "async_scheduling": "schedule and launch step N+1 while step N runs",
+    "disable_hybrid_kv_cache_manager": "keep every token's KV in sliding-window layers too "
+                                       "(default: the blocks a window has passed are freed "
+                                       "where every layer has the same window)",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}, "
                           "{\"method\": \"layer_skip\", \"num_speculative_tokens\": 3, "
