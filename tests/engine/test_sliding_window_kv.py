@@ -30,22 +30,29 @@ def run(engine: LLMEngine) -> tuple[dict[str, list[int]], int]:
     return tokens, most_held
 
 
-@pytest.mark.parametrize("engine_args", [pytest.param({}, id="one-step-prompts"),
-                                         pytest.param(CHUNKED_ASYNC, id="chunked-async")])
+NGRAM = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_max": 3}}
+
+
+@pytest.mark.parametrize("engine_args, held", [
+    # A query sees 24 positions: two blocks, three while it crosses into a new one; drafts a
+    # verification may reject keep three positions more.
+    pytest.param({}, 3, id="one-step-prompts"),
+    pytest.param(CHUNKED_ASYNC, 3, id="chunked-async"),
+    pytest.param(NGRAM, 4, id="ngram-drafts")])
 def test_a_pool_too_small_for_whole_sequences_serves_them_all_at_once(
-        hf_checkpoint, compile_cache_dir, engine_args):
+        hf_checkpoint, compile_cache_dir, engine_args, held):
     path = hf_checkpoint("phi3")
     whole = len(PROMPTS) * -(-(40 + GREEDY.max_tokens) // BLOCK)  # 64 blocks without freeing
-    num_kv_blocks = 1 + len(PROMPTS) * 3  # the null block, and three a request
+    num_kv_blocks = 1 + len(PROMPTS) * held  # and the null block
     engine = LLMEngine.from_engine_args(
         model=str(path), compilation_cache_dir=compile_cache_dir,
         **(SMALL_ENGINE | engine_args | {"num_kv_blocks": num_kv_blocks}))
     assert engine.core.scheduler.kv.sliding_window == WINDOW
     tokens, most_held = run(engine)
-    # A query sees 24 positions: two blocks, three while it crosses into a new one.
-    assert most_held <= -(-(WINDOW - 1) // BLOCK) + 1
+    assert most_held <= held
     assert engine.core.scheduler.num_preemptions == 0
-    assert whole / (num_kv_blocks - 1) > 2.6  # concurrent sequences: 2.67x the pool's without
+    assert whole / (num_kv_blocks - 1) >= 2  # concurrent sequences: 2-2.67x the pool's
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == hf_greedy(
         path, PROMPTS, GREEDY.max_tokens)
     assert_no_leaks(engine)
