@@ -339,10 +339,11 @@ def logged_params(params: SamplingParams, cut: int | None) -> str:
     shown = []
     for field in dataclasses.fields(params):
         value = getattr(params, field.name)
-        text = repr(value)
         if isinstance(value, (list, tuple, dict)) and len(value) > limit:
             head = itertools.islice(value.items() if isinstance(value, dict) else value, limit)
             text = f"[{', '.join(map(repr, head))}, ...] ({len(value)} in all)"
+        else:
+            text = repr(value)
         shown.append(f"{field.name}={text}")
     return f"SamplingParams({', '.join(shown)})"
 
